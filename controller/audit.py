@@ -1,0 +1,150 @@
+"""Audit queries over the changelog: events by bundle/node/actor/action/time, and what ran on a node at T.
+
+Used by ``kernelctl audit`` (direct, read-only database access) and by ``GET /v1/audit``. Every query is
+served by an index on ``events`` or ``activations`` (see controller.db.models).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from controller.db.models import Activation, Bundle, Event, Node
+
+AUDIT_MAX_LIMIT = 100_000
+
+
+class AuditQueryError(ValueError):
+    """A filter value the audit cannot use (unknown node, unparseable time, ...)."""
+
+
+@dataclass(frozen=True)
+class AuditFilters:
+    bundle: str | None = None  # NAME or NAME@VERSION
+    node: str | None = None
+    actor: str | None = None
+    action: str | None = None  # exact, or a prefix ending in '.' / '*' (e.g. "rollout.*")
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+    limit: int = 100
+
+
+def parse_time(value: str) -> dt.datetime:
+    """ISO 8601 (``2026-11-22T10:00:00Z``, a date) or relative (``15m``, ``2h``, ``3d`` ago); UTC if naive."""
+    text = value.strip()
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text and text[-1] in units and text[:-1].isdigit():
+        return dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=int(text[:-1]) * units[text[-1]])
+    try:
+        parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise AuditQueryError(
+            f"cannot parse time {value!r}: use ISO 8601 (2026-11-22T10:00:00Z) or a relative age (15m, 2h, 3d)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def _as_utc(value: dt.datetime | None) -> dt.datetime | None:
+    if value is None:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+
+
+def query_events(session: Session, filters: AuditFilters) -> list[Event]:
+    """Events matching every given filter, newest first, at most ``filters.limit``."""
+    if not 1 <= filters.limit <= AUDIT_MAX_LIMIT:
+        raise AuditQueryError(f"limit must be between 1 and {AUDIT_MAX_LIMIT}, got {filters.limit}")
+    stmt = select(Event)
+    if filters.bundle:
+        if "@" in filters.bundle:
+            stmt = stmt.where(Event.bundle == filters.bundle)
+        else:
+            # NAME alone: every version; the (bundle, at) index serves the prefix range.
+            stmt = stmt.where(Event.bundle >= f"{filters.bundle}@", Event.bundle < f"{filters.bundle}A")
+    if filters.node:
+        _require_node(session, filters.node)
+        stmt = stmt.where(Event.node == filters.node)
+    if filters.actor:
+        stmt = stmt.where(Event.actor == filters.actor)
+    if filters.action:
+        action = filters.action.rstrip("*")
+        if action.endswith("."):
+            stmt = stmt.where(Event.action >= action, Event.action < action[:-1] + "/")
+        else:
+            stmt = stmt.where(Event.action == action)
+    if filters.since:
+        stmt = stmt.where(Event.at >= _as_utc(filters.since))
+    if filters.until:
+        stmt = stmt.where(Event.at <= _as_utc(filters.until))
+    stmt = stmt.order_by(Event.at.desc(), Event.id.desc()).limit(filters.limit)
+    return list(session.scalars(stmt))
+
+
+def _require_node(session: Session, name: str) -> Node:
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        raise AuditQueryError(f"unknown node {name!r}")
+    return node
+
+
+def active_at(session: Session, node_name: str, at: dt.datetime) -> list[dict[str, Any]]:
+    """Which bundle versions were active on ``node_name`` at time ``at`` (one row per bundle name)."""
+    node = _require_node(session, node_name)
+    at = _as_utc(at)  # type: ignore[assignment]
+    stmt = (
+        select(Activation, Bundle)
+        .join(Bundle, Bundle.id == Activation.bundle_id)
+        .where(
+            Activation.node_id == node.id,
+            Activation.started_at <= at,
+            or_(Activation.ended_at.is_(None), Activation.ended_at > at),
+        )
+        .order_by(Activation.bundle_name)
+    )
+    return [
+        {
+            "node": node_name,
+            "bundle": bundle.name,
+            "version": bundle.version,
+            "digest": bundle.digest,
+            "active_since": act.started_at,
+            "active_until": act.ended_at,
+        }
+        for act, bundle in session.execute(stmt)
+    ]
+
+
+def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
+    """Every node that ever had ``NAME@VERSION`` active, with its first and last activation."""
+    name, _, version = bundle_ref.partition("@")
+    if not version:
+        raise AuditQueryError(f"expected NAME@VERSION, got {bundle_ref!r}")
+    bundle = session.scalar(select(Bundle).where(and_(Bundle.name == name, Bundle.version == version)))
+    if bundle is None:
+        raise AuditQueryError(f"unknown bundle {bundle_ref!r}")
+    stmt = (
+        select(Node.name, Activation.started_at, Activation.ended_at)
+        .join(Node, Node.id == Activation.node_id)
+        .where(Activation.bundle_id == bundle.id)
+        .order_by(Node.name, Activation.started_at)
+    )
+    return [{"node": n, "started_at": s, "ended_at": e} for n, s, e in session.execute(stmt)]
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    return {
+        "id": event.id,
+        "at": _as_utc(event.at).isoformat() if event.at else None,  # type: ignore[union-attr]
+        "actor": event.actor,
+        "action": event.action,
+        "subject": event.subject,
+        "bundle": event.bundle,
+        "node": event.node,
+        "rollout_id": event.rollout_id,
+        "reason": event.reason,
+        "payload": event.payload,
+    }

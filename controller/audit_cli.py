@@ -1,0 +1,99 @@
+"""``kernelctl audit``: query the changelog directly from the database, opened read-only."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from controller.audit import (
+    AuditFilters,
+    AuditQueryError,
+    active_at,
+    event_to_dict,
+    nodes_that_ran,
+    parse_time,
+    query_events,
+)
+from controller.db.cli import DbOption, resolve_db
+from controller.db.engine import check_schema_current, make_engine, session_factory
+from kernelctl.console import EXIT_USAGE, console, database_errors, fail, print_json
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+def _parse(value: str | None, flag: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return parse_time(value)
+    except AuditQueryError as exc:
+        fail(f"{flag}: {exc}", EXIT_USAGE)
+
+
+def audit(
+    bundle: Annotated[str | None, typer.Option(help="NAME or NAME@VERSION.")] = None,
+    node: Annotated[str | None, typer.Option(help="Node name.")] = None,
+    actor: Annotated[str | None, typer.Option(help="Who acted (token name, 'judge', ...).")] = None,
+    action: Annotated[str | None, typer.Option(help="Action, or a prefix like 'rollout.*'.")] = None,
+    since: Annotated[str | None, typer.Option(help="ISO time or age (15m, 2h, 3d).")] = None,
+    until: Annotated[str | None, typer.Option(help="ISO time or age.")] = None,
+    at: Annotated[str | None, typer.Option(help="With --node: versions active on the node at this time.")] = None,
+    ran: Annotated[bool, typer.Option("--ran", help="With --bundle NAME@VERSION: nodes that ever ran it.")] = False,
+    limit: Annotated[int, typer.Option(help="Most events to show.")] = 100,
+    fmt: Annotated[OutputFormat, typer.Option("--format", help="table, json or csv.")] = OutputFormat.table,
+    db: DbOption = None,
+) -> None:
+    """Query the append-only changelog: who did what to which bundle/node, and what ran where when."""
+    since_t, until_t, at_t = _parse(since, "--since"), _parse(until, "--until"), _parse(at, "--at")
+    if at_t is not None and not node:
+        fail("--at needs --node (what was active on that node at that time)", EXIT_USAGE)
+    if ran and not (bundle and "@" in bundle):
+        fail("--ran needs --bundle NAME@VERSION", EXIT_USAGE)
+    with database_errors():
+        engine = make_engine(resolve_db(db), read_only=True)
+        check_schema_current(engine)
+        with session_factory(engine)() as session:
+            try:
+                if at_t is not None:
+                    rows = active_at(session, node, at_t)  # type: ignore[arg-type]
+                    title = f"active on {node} at {at_t.isoformat()}"
+                elif ran:
+                    rows = nodes_that_ran(session, bundle)  # type: ignore[arg-type]
+                    title = f"nodes that ran {bundle}"
+                else:
+                    filters = AuditFilters(bundle, node, actor, action, since_t, until_t, limit)
+                    rows = [event_to_dict(e) for e in query_events(session, filters)]
+                    title = "changelog events (newest first)"
+            except AuditQueryError as exc:
+                fail(str(exc), EXIT_USAGE)
+        engine.dispose()
+    _emit(rows, fmt, title)
+
+
+def _emit(rows: list[dict[str, Any]], fmt: OutputFormat, title: str) -> None:
+    if fmt is OutputFormat.json:
+        print_json(rows)
+        return
+    columns = list(rows[0].keys()) if rows else ["at", "actor", "action", "subject", "reason"]
+    if fmt is OutputFormat.csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        return
+    shown = [c for c in columns if c not in ("payload", "id")]
+    table = Table(title=f"{title}: {len(rows)} row(s)", show_lines=False)
+    for col in shown:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*["" if row.get(c) is None else str(row.get(c)) for c in shown])
+    console.print(table)

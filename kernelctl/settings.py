@@ -1,0 +1,83 @@
+"""Every kernelctl setting in one place: ``KERNELCTL_*`` environment variables, read with pydantic-settings.
+
+CLI flags override these per invocation (e.g. ``--db`` for ``database_url``). ``kernelctl config show``
+prints the table below with current values; docs/configuration.md is generated from the same fields.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+APP_NAME = "kernelctl"
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def default_database_url() -> str:
+    return f"sqlite:///{default_data_dir() / 'kernelctl.db'}"
+
+
+class Settings(BaseSettings):
+    """kernelctl configuration (environment prefix ``KERNELCTL_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KERNELCTL_", extra="ignore")
+
+    # --- database -------------------------------------------------------------------------------
+    database_url: str = Field(
+        default_factory=default_database_url,
+        description="SQLAlchemy URL of the changelog database; default: an SQLite file in the user data dir. "
+        "PostgreSQL: postgresql+psycopg://user:pass@host:5432/db",
+    )
+    data_dir: Path = Field(default_factory=default_data_dir, description="Where embedded state lives.")
+
+    # --- controller ---------------------------------------------------------------------------
+    listen_host: str = Field("127.0.0.1", description="Address `kernelctl serve` binds.")
+    listen_port: int = Field(8080, ge=0, le=65535, description="Port `kernelctl serve` binds (0: any free).")
+    tick_seconds: float = Field(2.0, gt=0, description="Judge tick period (leader only).")
+    stale_after_seconds: float = Field(30.0, gt=0, description="A node without heartbeat this long is stale.")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="Heartbeat period the controller asks agents for.")
+    trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
+    bootstrap_tokens_file: Path | None = Field(
+        None, description="File of `role name token` lines hashed into the database at start-up."
+    )
+    max_bundle_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest bundle upload accepted.")
+    max_report_batch: int = Field(1000, gt=0, description="Most reports accepted in one batch.")
+
+    # --- CLI client -----------------------------------------------------------------------------
+    url: str = Field("http://127.0.0.1:8080", description="Controller URL used by the operator CLI.")
+    token: str | None = Field(None, description="Bearer token used by the operator CLI.")
+
+    # --- agent ------------------------------------------------------------------------------------
+    controller_url: str = Field("http://127.0.0.1:8080", description="Controller URL the agent talks to.")
+    agent_token: str | None = Field(None, description="Agent enrollment or node token.")
+    node_name: str | None = Field(None, description="Node name the agent registers as (default: hostname).")
+    cache_dir: Path | None = Field(None, description="Agent bundle cache (default: <data_dir>/cache).")
+    runtime_dir: Path | None = Field(
+        None, description="Where the agent publishes active versions for kernelpack.runtime."
+    )
+    profile: Path | None = Field(None, description="Traffic profile file (batch sizes) for trials.")
+    inventory_overrides: Path | None = Field(
+        None, description="JSON file overriding inventory fields (pose as another GPU in tests/demos)."
+    )
+    agent_metrics_port: int = Field(9400, ge=0, le=65535, description="Agent /metrics port (0: disabled).")
+    trial_duty_cycle: float = Field(0.1, gt=0, le=1, description="Max share of wall time spent in trials.")
+    trial_memory_headroom: float = Field(
+        0.2, ge=0, lt=1, description="Share of GPU memory that must stay free before a trial starts."
+    )
+    trial_timeout_seconds: float = Field(600.0, gt=0, description="A trial running longer is killed (hang).")
+
+    # --- logging ----------------------------------------------------------------------------------
+    log_level: str = Field("INFO", description="Log level.")
+    log_format: str = Field("text", pattern="^(text|json)$", description="Log format: text or json.")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

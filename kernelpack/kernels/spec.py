@@ -1,0 +1,134 @@
+"""The contract every fused op module in a kernel bundle implements.
+
+A bundle ships op modules as *source*; the loader imports them into a private namespace. Each op module
+exposes one module-level ``OP: KernelOp`` object. This file is the stable ABI between bundle code and the
+installed kernelctl (harness, loader, runtime, agents): bundle modules may import ``torch``, ``triton``,
+this module and their own siblings (relative imports), nothing else from kernelctl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+DTypeName = Literal["fp16", "bf16", "fp32"]
+DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TRITON_DTYPES: dict[str, str] = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+
+Shape = dict[str, int]  # named problem dimensions, e.g. {"tokens": 8192, "hidden": 4096}
+Inputs = dict[str, torch.Tensor]
+Outputs = tuple[torch.Tensor, ...]
+LaunchConfig = Mapping[str, Any]  # per-arch launch parameters from the manifest (BLOCK sizes, num_warps, ...)
+
+
+class DomainError(ValueError):
+    """An input lies outside a kernel's declared domain (dtype, shape range, alignment, contiguity)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Allowed error of an output against the float64 reference: |out - ref| <= atol + rtol * |ref|."""
+
+    atol: float
+    rtol: float
+
+    def allows(self, max_abs_err: float, ref_abs: float = 0.0) -> bool:
+        return max_abs_err <= self.atol + self.rtol * ref_abs
+
+
+@dataclass(frozen=True)
+class DimRange:
+    lo: int
+    hi: int
+    multiple_of: int = 1
+
+    def contains(self, v: int) -> bool:
+        return self.lo <= v <= self.hi and v % self.multiple_of == 0
+
+
+@dataclass(frozen=True)
+class Domain:
+    """Documented limitations of a kernel; calls outside it fall back to the reference (or are refused)."""
+
+    dtypes: tuple[DTypeName, ...]
+    dims: Mapping[str, DimRange]
+    contiguous: bool = True
+    notes: str = ""
+
+    def check(self, dtype: torch.dtype, shape: Shape, tensors: Mapping[str, torch.Tensor] = ()) -> None:
+        names = {v: k for k, v in DTYPES.items()}
+        if names.get(dtype) not in self.dtypes:
+            raise DomainError(f"dtype {dtype} not in domain {self.dtypes}")
+        for dim, rng in self.dims.items():
+            if dim not in shape:
+                raise DomainError(f"missing dimension {dim!r}")
+            if not rng.contains(shape[dim]):
+                raise DomainError(
+                    f"{dim}={shape[dim]} outside [{rng.lo}, {rng.hi}] (multiple of {rng.multiple_of})"
+                )
+        if self.contiguous:
+            for name, t in dict(tensors).items():
+                if not t.is_contiguous():
+                    raise DomainError(f"input {name!r} is not contiguous")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtypes": list(self.dtypes),
+            "dims": {k: {"lo": r.lo, "hi": r.hi, "multiple_of": r.multiple_of} for k, r in self.dims.items()},
+            "contiguous": self.contiguous,
+            "notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class AotSpec:
+    """One ahead-of-time compilation unit: a @triton.jit function with a concrete signature."""
+
+    fn: Any  # triton.JITFunction
+    signature: dict[str, str]  # e.g. {"x": "*bf16", "n": "i32", "BLOCK": "constexpr"}
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass
+class KernelOp:
+    """One fused op: Triton implementation(s), float64 reference, domain, tolerances and benchmark facts.
+
+    ``alloc_outputs(inputs)`` allocates the output buffers (``torch.empty``; the harness fills them with a
+    poison value first so an unwritten element is caught); ``run(inputs, outs, config)`` launches the Triton
+    kernel(s) writing into ``outs``; ``reference(inputs)`` computes in float64 and returns float64 outputs;
+    ``eager(inputs)`` is the same math in plain PyTorch in the input dtype (what torch.compile and the eager
+    baseline run). Outputs are tuples in the same order for all three.
+    """
+
+    name: str
+    description: str
+    domain: Domain
+    tolerances: Mapping[DTypeName, Tolerance]
+    make_inputs: Callable[[Shape, torch.dtype, torch.device, torch.Generator], Inputs]
+    shape_of: Callable[[Inputs], Shape]
+    alloc_outputs: Callable[[Inputs], Outputs]
+    run: Callable[[Inputs, Outputs, LaunchConfig], None]
+    reference: Callable[[Inputs], Outputs]
+    eager: Callable[[Inputs], Outputs]
+    bytes_moved: Callable[[Shape, torch.dtype], int]
+    flops: Callable[[Shape], int] = lambda s: 0
+    # shapes for the harness: small ones that the interpreter runs in CI, decode and prefill sizes on GPUs
+    test_shapes: tuple[Shape, ...] = ()
+    decode_shapes: tuple[Shape, ...] = ()
+    prefill_shapes: tuple[Shape, ...] = ()
+    fuzz: Callable[[Any], Shape] | None = None  # random.Random -> a shape inside the domain (small)
+    aot: Callable[[DTypeName, LaunchConfig], list[AotSpec]] | None = None
+    default_config: LaunchConfig = field(default_factory=dict)
+    launches_per_call: int = 1
+
+    def __call__(self, inputs: Inputs, config: LaunchConfig | None = None) -> Outputs:
+        t0 = next(iter(inputs.values()))
+        self.domain.check(t0.dtype, self.shape_of(inputs), inputs)
+        outs = self.alloc_outputs(inputs)
+        self.run(inputs, outs, {**self.default_config, **(config or {})})
+        return outs
