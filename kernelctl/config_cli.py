@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import typer
 from rich.table import Table
 
@@ -22,10 +24,8 @@ def settings_rows(settings: Settings) -> list[dict[str, str]]:
         elif name == "database_url":
             from sqlalchemy.engine import make_url
 
-            try:
+            with contextlib.suppress(Exception):
                 value = make_url(value).render_as_string(hide_password=True)
-            except Exception:
-                pass
         rows.append({"env": f"KERNELCTL_{name.upper()}", "value": "" if value is None else str(value),
                      "description": field.description or ""})
     return rows

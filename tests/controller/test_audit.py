@@ -12,7 +12,14 @@ import sys
 import pytest
 from sqlalchemy import func, select
 
-from controller.audit import AuditFilters, AuditQueryError, active_at, nodes_that_ran, parse_time, query_events
+from controller.audit import (
+    AuditFilters,
+    AuditQueryError,
+    active_at,
+    nodes_that_ran,
+    parse_time,
+    query_events,
+)
 from controller.changelog import record_event
 from controller.db.engine import make_engine, session_factory, session_scope
 from controller.db.models import Activation, Bundle, Event, Node

@@ -1,0 +1,272 @@
+"""``kernelctl demo``: the whole system on one machine, no GPU needed.
+
+A real controller and N real agents (posing as sm_80 and sm_90 nodes on two driver versions; kernels run
+through Triton's interpreter) on the embedded SQLite default. It makes llm-fused 1.0.0 stable, rolls out
+1.1.0 to promotion, then rolls out the numeric-drift fault fixture and expects the judge to roll it back.
+Exit 0 only when both outcomes happened.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from kernelctl.console import EXIT_ERROR, console, err_console, print_json
+from kernelctl.fleet import FleetError, LocalFleet, NodeSpec
+
+STABLE, CANDIDATE, FAULT = "1.0.0", "1.1.0", "1.2.0-fault.drift"
+
+# Two GPU generations on two driver versions: strata sm_80/drv535 and sm_90/drv550.
+POSES = [
+    {"gpu_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0", "arch": "sm_80",
+     "driver_version": "535.183.01", "cuda_version": "12.2", "memory_total_mb": 81920},
+    {"gpu_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "sm_90",
+     "driver_version": "550.90.07", "cuda_version": "12.4", "memory_total_mb": 81559},
+]
+
+# Short steps so the demo fits in minutes; production plans default to 1 node, 10%, 50%, 100%.
+DEMO_PLAN: dict[str, Any] = {
+    "steps": [
+        {"nodes": 1, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 120},
+        {"percent": 100, "bake_seconds": 2, "min_samples": 4, "deadline_seconds": 120},
+    ],
+    # the interpreter's timings on a shared 2-core machine are noisy; GPU plans keep the 2% default
+    "latency_margin": 0.5,
+    "max_fleet_share": 1.0,
+    "max_label_share": 1.0,
+    "trial_rounds": 3,
+    "trial_interval_seconds": 0,
+    "hold_verdict_seconds": 5,
+}
+
+
+@dataclass
+class Outcome:
+    ref: str
+    expected: str
+    rollout_id: int | None = None
+    state: str = "not started"
+    reason: str | None = None
+    seconds: float = 0.0
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == self.expected
+
+
+class DemoView:
+    """The live Rich view: phase, rollout, strata with step progress, nodes, latest verdicts."""
+
+    def __init__(self, nodes: int) -> None:
+        self.phase = "starting"
+        self.nodes_total = nodes
+        self.detail: dict[str, Any] | None = None
+        self.nodes: list[dict[str, Any]] = []
+        self.outcomes: list[Outcome] = []
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"))
+        self._tasks: dict[str, int] = {}
+
+    def update(self, detail: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
+        self.detail, self.nodes = detail, nodes
+        steps = detail.get("steps", [])
+        for s in detail.get("strata", []):
+            key = f"{detail['id']}:{s['stratum']}"
+            done = len(steps) if s["state"] == "promoted" else s["step_index"]
+            info = f"{s['state']} step {min(s['step_index'] + 1, len(steps))}/{len(steps)}"
+            if key not in self._tasks:
+                self._tasks[key] = self.progress.add_task(f"{detail['bundle']} {s['stratum']}",
+                                                          total=max(1, len(steps)), info=info)
+            self.progress.update(self._tasks[key], completed=done, info=info)
+
+    def render(self) -> Group:
+        parts: list[Any] = [Panel(self.phase, title="kernelctl demo", expand=False)]
+        if self.detail:
+            d = self.detail
+            head = Table(title=f"rollout {d['id']}: {d['bundle']}  state={d['state']}", expand=False)
+            for col in ("stratum", "state", "step", "nodes", "latest verdict"):
+                head.add_column(col, overflow="fold")
+            for s in d.get("strata", []):
+                v = s.get("latest_verdict") or {}
+                verdict = f"{v.get('decision', '-')} ({v.get('gate', '-')})" if v else "-"
+                if v.get("evidence", {}).get("reason"):
+                    verdict += f": {v['evidence']['reason']}"
+                nodes = ", ".join(f"{k}={n}" for k, n in (s.get("nodes") or {}).items())
+                head.add_row(s["stratum"], s["state"], str(s["step_index"] + 1), nodes, verdict)
+            parts.append(head)
+        parts.append(self.progress)
+        if self.nodes:
+            by_state: dict[str, int] = {}
+            for n in self.nodes:
+                active = ",".join(f"{b}@{v}" for b, v in (n.get("active") or {}).items()) or "none"
+                by_state[active] = by_state.get(active, 0) + 1
+            parts.append(f"nodes by active version: {by_state}")
+        for o in self.outcomes:
+            mark = "[green]ok[/]" if o.ok else "[red]unexpected[/]"
+            parts.append(f"{o.ref}: {o.state} (expected {o.expected}) {mark} {o.reason or ''}")
+        return Group(*parts)
+
+
+def _node_specs(count: int) -> list[NodeSpec]:
+    specs = []
+    for i in range(count):
+        pose = POSES[i % len(POSES)]
+        specs.append(NodeSpec(name=f"demo-{pose['arch'].replace('_', '')}-{i // len(POSES) + 1}",
+                              overrides=pose, labels={"rack": f"r{i % 3}", "cluster": "demo"}))
+    return specs
+
+
+def _run_rollout(fleet: LocalFleet, view: DemoView, live: Live | None, outcome: Outcome,
+                 timeout: float) -> None:
+    started = time.monotonic()
+    r = fleet.start_rollout(outcome.ref, DEMO_PLAN, reason=f"demo: expect {outcome.expected}")
+    outcome.rollout_id = r["id"]
+
+    def on_update(detail: dict[str, Any]) -> None:
+        if live is not None:
+            view.update(detail, fleet.api("GET", "/v1/nodes"))
+            live.update(view.render())
+
+    detail = fleet.wait_rollout(r["id"], timeout=timeout, on_update=on_update)
+    outcome.state = detail["state"]
+    outcome.seconds = round(time.monotonic() - started, 1)
+    outcome.verdicts = [v for v in detail.get("verdicts", []) if v["decision"] != "hold"]
+    decisive = [v for v in outcome.verdicts if v["decision"] in ("rollback", "promote", "pause")]
+    if detail.get("reason"):
+        outcome.reason = detail["reason"]
+    elif decisive:
+        v = decisive[-1]
+        outcome.reason = f"{v['decision']} by gate {v['gate']}: {v['evidence'].get('reason', '')}"
+
+
+def _summary_tables(fleet: LocalFleet) -> list[Any]:
+    from controller.audit import AuditFilters, query_events
+    from controller.db.engine import make_engine, session_factory
+
+    compat = fleet.api("GET", "/v1/compat")
+    rows = compat.get("rows", compat) if isinstance(compat, dict) else compat
+    matrix = Table(title="compatibility matrix (bundle version x stratum)")
+    strata = sorted({r["stratum"] for r in rows})
+    matrix.add_column("bundle")
+    for s in strata:
+        matrix.add_column(s)
+    for ref in sorted({r["bundle"] for r in rows}):
+        cells = {r["stratum"]: r["state"] for r in rows if r["bundle"] == ref}
+        matrix.add_row(ref, *[cells.get(s, "-") for s in strata])
+    engine = make_engine(fleet.db_url, read_only=True)
+    with session_factory(engine)() as session:
+        events = query_events(session, AuditFilters(action="rollout.*", limit=40)) + query_events(
+            session, AuditFilters(action="bundle.*", limit=20))
+    engine.dispose()
+    audit = Table(title="audit trail (rollout and bundle events)")
+    for col in ("at", "actor", "action", "bundle", "reason"):
+        audit.add_column(col, overflow="fold")
+    for e in sorted(events, key=lambda e: (e.at, e.id)):
+        audit.add_row(e.at.strftime("%H:%M:%S"), e.actor, e.action, e.bundle or "", e.reason or "")
+    return [matrix, audit]
+
+
+def demo(
+    nodes: Annotated[int, typer.Option(help="Number of agent processes.", min=2, max=64)] = 6,
+    db: Annotated[str | None, typer.Option("--db", help="Database URL (default: SQLite in the work dir).")] = None,
+    keep: Annotated[Path | None, typer.Option(help="Keep the database, keys, bundles and logs in DIR.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary only.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per rollout.")] = 150.0,
+) -> None:
+    """Run a real controller and agents locally: promote llm-fused 1.1.0, roll back a numeric-drift fault."""
+    workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kernelctl-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = LocalFleet(workdir, db_url=db)
+    view = DemoView(nodes)
+    outcomes = [Outcome(f"llm-fused@{STABLE}", "promoted"), Outcome(f"llm-fused@{CANDIDATE}", "promoted"),
+                Outcome(f"llm-fused@{FAULT}", "rolled_back")]
+    view.outcomes = outcomes
+    t0 = time.monotonic()
+    error: str | None = None
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    live = None if json_out else Live(view.render(), console=console, refresh_per_second=4, transient=False)
+    try:
+        if live:
+            live.start()
+
+        def phase(text: str) -> None:
+            view.phase = text
+            if live:
+                live.update(view.render())
+
+        phase("migrating the changelog database")
+        fleet.prepare_database()
+        phase("generating a signing key; building and signing bundles (AOT for sm_80/sm_89/sm_90)")
+        key = fleet.generate_key()
+        built = fleet.build_bundles([STABLE, CANDIDATE, FAULT], key,
+                                    on_built=lambda v: phase(f"built and signed llm-fused {v}"))
+        phase("starting the controller (kernelctl serve on loopback)")
+        fleet.start_controller()
+        for path in built.values():
+            fleet.push(path)
+        phase(f"starting {nodes} agents (sm_80 on driver 535, sm_90 on driver 550)")
+        for spec in _node_specs(nodes):
+            fleet.start_agent(spec)
+        fleet.wait_nodes(nodes)
+        for outcome in outcomes:
+            phase(f"rolling out {outcome.ref} (expect: {outcome.expected})")
+            _run_rollout(fleet, view, live, outcome, timeout)
+            if live:
+                live.update(view.render())
+        phase(f"done in {time.monotonic() - t0:.0f}s")
+        tables = _summary_tables(fleet)
+    except KeyboardInterrupt:
+        error = "interrupted"
+        tables = []
+    except FleetError as exc:
+        error = str(exc)
+        tables = []
+    finally:
+        if live:
+            live.stop()
+        fleet.stop()
+        signal.signal(signal.SIGTERM, previous)
+    ok = error is None and all(o.ok for o in outcomes)
+    audit_cmd = f"kernelctl audit --db {fleet.db_url}" if keep or db else None
+    summary = {
+        "ok": ok,
+        "seconds": round(time.monotonic() - t0, 1),
+        "nodes": nodes,
+        "database": fleet.db_url if (keep or db) else None,
+        "error": error,
+        "rollouts": [{"bundle": o.ref, "rollout_id": o.rollout_id, "state": o.state, "expected": o.expected,
+                      "reason": o.reason, "seconds": o.seconds,
+                      "verdicts": [{k: v[k] for k in ("stratum", "decision", "gate", "samples")}
+                                   for v in o.verdicts]} for o in outcomes],
+    }
+    if json_out:
+        print_json(summary)
+    else:
+        for t in tables:
+            console.print(t)
+        for o in outcomes:
+            colour = "green" if o.ok else "red"
+            console.print(f"[{colour}]{o.ref}: {o.state}[/] (expected {o.expected}, {o.seconds}s) {o.reason or ''}")
+        if audit_cmd:
+            console.print(f"query the changelog again: [bold]{audit_cmd}[/]")
+        else:
+            console.print("run with --keep DIR to keep the database and query it again with "
+                          "`kernelctl audit --db sqlite:///DIR/kernelctl.db`")
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not ok:
+        bad = error or "; ".join(f"{o.ref} ended {o.state}, expected {o.expected}" for o in outcomes if not o.ok)
+        err_console.print(f"[bold red]demo failed:[/] {bad}")
+        raise typer.Exit(EXIT_ERROR)
