@@ -1,0 +1,255 @@
+"""Benchmark harness: timing, interleaved paired latency, launch counting, peak memory, bench_op."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+
+from kernelpack.harness.bench import (
+    bench_op,
+    launches_per_call,
+    median_time,
+    paired_latency,
+    peak_memory_bytes,
+)
+from kernelpack.harness.numerics import HarnessError, make_generator
+from tests.kernelpack.test_harness_numerics import make_axpy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_median_time_measures_the_call():
+    fast = median_time(lambda: None, device="cpu", rep_ms=0, min_reps=5)
+    slow = median_time(lambda: time.sleep(0.004), device="cpu", rep_ms=0, min_reps=5)
+    assert 0.004 <= slow < 0.1 and fast < 0.001
+
+
+def test_paired_latency_detects_slowed_candidate():
+    stable = (make_axpy(), {})
+    slow = (make_axpy("slow"), {})
+    rounds = 5
+    pairs = paired_latency(stable, slow, "fp32", [{"n": 128}], device=DEVICE, rounds=rounds, seed=0)
+    assert [p.round for p in pairs] == list(range(rounds))
+    assert all(p.shape == {"n": 128} for p in pairs)
+    assert all(p.log_ratio == pytest.approx(math.log(p.candidate_s / p.stable_s)) for p in pairs)
+    assert sum(p.log_ratio > 0 for p in pairs) >= rounds - 1
+    assert sorted(p.log_ratio for p in pairs)[rounds // 2] > math.log(2.0)  # 5 launches vs 1
+    assert json.loads(json.dumps([dataclasses.asdict(p) for p in pairs]))[0]["shape"] == {"n": 128}
+
+
+def test_paired_latency_same_version_is_centred():
+    op = (make_axpy(), {})
+    pairs = paired_latency(op, op, "fp32", [{"n": 64}, {"n": 200}], device=DEVICE, rounds=4, seed=0)
+    assert len(pairs) == 8
+    ratios = sorted(p.log_ratio for p in pairs)
+    assert abs(ratios[len(ratios) // 2]) < math.log(1.5)
+
+
+def test_paired_latency_rejects_bad_arguments():
+    op = (make_axpy(), {})
+    with pytest.raises(HarnessError, match="rounds must be >= 1"):
+        paired_latency(op, op, "fp32", [{"n": 8}], device=DEVICE, rounds=0, seed=0)
+    other = make_axpy()
+    other.name = "rope"
+    with pytest.raises(HarnessError, match="cannot pair different ops"):
+        paired_latency(op, (other, {}), "fp32", [{"n": 8}], device=DEVICE, rounds=1, seed=0)
+
+
+def _inputs(op, n=300):
+    dev = torch.device(DEVICE)
+    return op.make_inputs({"n": n}, torch.float32, dev, make_generator(dev, 0))
+
+
+def test_launches_per_call_counts_real_launches():
+    one = make_axpy()
+    two = make_axpy("twolaunch")
+    five = make_axpy("slow")
+    assert launches_per_call(one, {}, _inputs(one)) == 1
+    assert launches_per_call(two, {}, _inputs(two)) == 2
+    assert launches_per_call(five, {"BLOCK": 64}, _inputs(five)) == 5
+    # counting is scoped: a launch outside the call is not counted next time
+    assert launches_per_call(one, {}, _inputs(one)) == 1
+
+
+def test_peak_memory_sees_allocations():
+    keep = []
+    small = peak_memory_bytes(lambda: keep.append(torch.empty(10, device=DEVICE)), device=DEVICE)
+    big = peak_memory_bytes(lambda: keep.append(torch.empty(1 << 20, device=DEVICE)), device=DEVICE)
+    temp = peak_memory_bytes(lambda: torch.empty(1 << 19, device=DEVICE).sum(), device=DEVICE)
+    assert big >= 4 << 20 and small < 4096
+    assert temp >= 2 << 20
+
+
+def test_two_launch_op_uses_more_memory():
+    one, two = make_axpy(), make_axpy("twolaunch")
+    r1 = bench_op(one, {"BLOCK": 2048}, "fp32", {"n": 4096}, device=DEVICE)
+    r2 = bench_op(two, {"BLOCK": 2048}, "fp32", {"n": 4096}, device=DEVICE)
+    assert r1.peak_memory_bytes >= 4096 * 4  # the output buffer
+    assert r2.peak_memory_bytes >= r1.peak_memory_bytes + 4096 * 4  # + its temporary
+    assert (r1.launches_per_call, r2.launches_per_call) == (1, 2)
+
+
+def test_bench_op_result():
+    res = bench_op(make_axpy(), {}, "fp16", {"n": 1000}, device=DEVICE)
+    assert res.op == "axpy" and res.shape == {"n": 1000} and res.dtype == "fp16"
+    assert res.bytes_moved == 3 * 1000 * 2
+    assert res.median_s > 0 and res.gbps == pytest.approx(res.bytes_moved / res.median_s / 1e9)
+    assert res.tflops == pytest.approx(2000 / res.median_s / 1e12)
+    assert res.launch_overhead_s > 0
+    assert json.loads(json.dumps(dataclasses.asdict(res)))["launches_per_call"] == 1
+
+
+BUNDLE_TOML = """schema_version = 1
+name = "harness-bench-test"
+version = "1.0.0"
+note = "bundle bench CLI test"
+[targets]
+archs = ["sm_90"]
+min_driver = "535"
+cuda = ["12.x"]
+triton = "3.6.0"
+torch = ">=2.9,<2.15"
+[traffic]
+decode_batch_sizes = [1]
+prefill_tokens = [128]
+[[kernels]]
+op = "scale"
+source = "kernels/scale.py"
+"""
+
+# A bundle-local op with a single dtype, so building the test bundle compiles one AOT kernel.
+SCALE_PY = '''"""y = 3 * x (fp32 only): the smallest real bundle op."""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernelpack.kernels.spec import AotSpec, DimRange, Domain, KernelOp, Tolerance
+
+
+@triton.jit
+def _scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=m) * 3.0, mask=m)
+
+
+def run(inputs, outs, config):
+    x = inputs["x"]
+    _scale[(triton.cdiv(x.numel(), config["BLOCK"]),)](x, outs[0], x.numel(), BLOCK=config["BLOCK"])
+
+
+OP = KernelOp(
+    name="scale",
+    description="y = 3x",
+    domain=Domain(dtypes=("fp32",), dims={"n": DimRange(1, 1 << 24)}),
+    tolerances={"fp32": Tolerance(1e-6, 1e-6)},
+    make_inputs=lambda shape, dtype, device, gen: {"x": torch.randn(shape["n"], generator=gen).to(device, dtype)},
+    shape_of=lambda inputs: {"n": inputs["x"].numel()},
+    alloc_outputs=lambda inputs: (torch.empty_like(inputs["x"]),),
+    run=run,
+    reference=lambda inputs: (inputs["x"].double().cpu() * 3.0,),
+    eager=lambda inputs: (inputs["x"] * 3.0,),
+    bytes_moved=lambda shape, dtype: 8 * shape["n"],
+    test_shapes=({"n": 100}, {"n": 1000}),
+    aot=lambda dtype, config: [AotSpec(_scale, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32",
+                                                "BLOCK": "constexpr"}, {"BLOCK": config.get("BLOCK", 1024)})],
+    default_config={"BLOCK": 1024},
+)
+'''
+
+
+@pytest.fixture(scope="module")
+def built_bundle(tmp_path_factory):
+    import shutil
+
+    from kernelpack.build import build_bundle
+    from kernelpack.signing import generate_keypair
+
+    d = tmp_path_factory.mktemp("bench_cli")
+    (d / "src").mkdir()
+    (d / "src" / "bundle.toml").write_text(BUNDLE_TOML)
+    (d / "src" / "kernels").mkdir()
+    (d / "src" / "kernels" / "scale.py").write_text(SCALE_PY)
+    kp = generate_keypair(d / "keys")
+    (d / "trusted").mkdir()
+    shutil.copy(kp.public_path, d / "trusted")
+    (d / "empty").mkdir()
+    res = build_bundle(d / "src", d / "b.kpack", kp.private_path, cache_dir=d / "cache")
+    return d, res.path
+
+
+def _cli():
+    import typer
+
+    from kernelpack.harness.cli import register
+
+    app = typer.Typer()
+    bundle_app = typer.Typer()
+    register(bundle_app)
+    app.add_typer(bundle_app, name="bundle")
+    return app
+
+
+def test_bundle_bench_cli_json_and_table(built_bundle, monkeypatch):
+    from typer.testing import CliRunner
+
+    d, path = built_bundle
+    monkeypatch.setenv("XDG_CACHE_HOME", str(d / "xdg"))
+    runner = CliRunner()
+    args = ["bundle", "bench", str(path), "--trusted-keys", str(d / "trusted"), "--sizes", "test", "--dtype", "fp32"]
+    out = runner.invoke(_cli(), [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["bundle"] == "harness-bench-test" and report["version"] == "1.0.0"
+    assert [(r["op"], r["shape"]) for r in report["results"]] == [("scale", {"n": 100}), ("scale", {"n": 1000})]
+    assert all(r["launches_per_call"] == 1 and r["median_s"] > 0 and r["gbps"] > 0 for r in report["results"])
+    from rich.console import Console
+
+    from kernelpack.harness.cli import _print_tables
+
+    console = Console(record=True, width=120)
+    _print_tables(console, report)
+    text = console.export_text()
+    assert "scale" in text and "GB/s" in text and "launches" in text and "n=1000" in text
+    fp16 = runner.invoke(_cli(), [*args[:-1], "fp16"])
+    assert fp16.exit_code == 0 and "skipped scale: dtype fp16 not in the op's domain" in fp16.stdout
+
+
+def test_bundle_bench_cli_errors(built_bundle):
+    from typer.testing import CliRunner
+
+    d, path = built_bundle
+    runner = CliRunner()
+    bad_key = runner.invoke(_cli(), ["bundle", "bench", str(path), "--trusted-keys", str(d / "empty")])
+    assert bad_key.exit_code == 3 and "cannot load" in bad_key.output
+    missing = runner.invoke(_cli(), ["bundle", "bench", str(d / "nope.kpack"), "--trusted-keys", str(d / "trusted")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    no_op = runner.invoke(_cli(), ["bundle", "bench", str(path), "--trusted-keys", str(d / "trusted"), "--op", "rope"])
+    assert no_op.exit_code == 2 and "has no op(s) rope (has scale)" in no_op.output
+
+
+@pytest.mark.parametrize("mod", ["bias_gelu", "add_rmsnorm", "swiglu", "softmax_causal", "rope", "fp8_quant",
+                                 "flash_attn"])
+def test_counted_launches_match_each_real_op_declaration(mod):
+    import importlib
+
+    from kernelpack.kernels.spec import DTYPES
+
+    op = importlib.import_module(f"kernelpack.kernels.{mod}").OP
+    dtype = "fp32" if "fp32" in op.domain.dtypes else op.domain.dtypes[0]
+    shape = min(op.test_shapes, key=lambda s: math.prod(s.values()))
+    dev = torch.device(DEVICE)
+    inputs = op.make_inputs(dict(shape), DTYPES[dtype], dev, make_generator(dev, 0))
+    assert launches_per_call(op, {}, inputs) == op.launches_per_call >= 1
