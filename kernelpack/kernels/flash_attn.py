@@ -1,0 +1,247 @@
+"""Causal flash-attention forward for head_dim 64 and 128: ``o = softmax(q k^T / sqrt(d) + causal) v``.
+
+Owns op ``flash_attn``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
+q, k, v, o are (batch, heads, seq, head_dim), contiguous, one dtype (fp16 or bf16), self-attention with
+q_len == kv_len (prefill), no GQA; scale is 1/sqrt(head_dim). Online softmax in fp32, P rounded to the input
+dtype before the P@V product (as FlashAttention does). Each program owns BLOCK_M queries of one (batch, head)
+and walks the key blocks left of the diagonal unmasked, then the diagonal blocks masked. The config's
+BLOCK_M / BLOCK_N are upper bounds: a sequence shorter than a tile gets max(16, next_power_of_2(seq)).
+
+On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
+interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
+constexpr switches, the GPU path is a pipelined ``for`` loop over native-dtype tensor-core dots.
+Self-contained bundle module.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+import triton.language as tl
+
+from kernelpack.kernels.spec import (
+    TRITON_DTYPES,
+    AotSpec,
+    DimRange,
+    Domain,
+    DomainError,
+    Inputs,
+    KernelOp,
+    LaunchConfig,
+    Outputs,
+    Shape,
+    Tolerance,
+)
+
+NAME = "flash_attn"
+LOG2E = 1.4426950408889634
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
+TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))]
+
+
+@triton.jit
+def _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, seq, qk_scale,
+                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr):
+    n = start_n + offs_n
+    kv_offs = n[:, None] * HEAD_DIM + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptr + kv_offs, mask=n[:, None] < seq, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=n[:, None] < seq, other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_offs)
+        v = tl.load(v_ptr + kv_offs)
+    if DOT_F32:  # noqa: SIM108 (kept as a constexpr branch for the Triton frontend)
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if MASKED:
+        qk = tl.where((offs_m[:, None] >= n[None, :]) & (n[None, :] < seq), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if DOT_F32:
+        acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key blocks) query blocks first
+    base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM
+    q_ptr += base
+    k_ptr += base
+    v_ptr += base
+    o_ptr += base
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qo_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_ptr + qo_offs, mask=offs_m[:, None] < seq, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_hi = (start_m * BLOCK_M // BLOCK_N) * BLOCK_N  # key blocks entirely left of the diagonal
+    diag_hi = tl.minimum((start_m + 1) * BLOCK_M, seq)
+    if INTERPRETED:
+        start_n = 0
+        while start_n < full_hi:
+            acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, seq,
+                                        qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, DOT_F32=True)
+            start_n += BLOCK_N
+        while start_n < diag_hi:
+            acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, seq,
+                                        qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, DOT_F32=True)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, seq,
+                                        qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, DOT_F32=False)
+        for start_n in range(full_hi, diag_hi, BLOCK_N):
+            acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, seq,
+                                        qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, DOT_F32=False)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + qo_offs, o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < seq)
+
+
+def _config(config: LaunchConfig) -> dict[str, int]:
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = {**DEFAULT_CONFIG, **config}
+    for k, v in cfg.items():
+        pow2 = k != "num_stages"
+        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
+    return cfg
+
+
+def shape_of(inputs: Inputs) -> Shape:
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if q.dim() != 4:
+        raise DomainError(f"{NAME}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise DomainError(f"{NAME}: {name} shape {tuple(t.shape)} must equal q shape {tuple(q.shape)} "
+                              "(self-attention, no GQA)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise DomainError(f"{NAME}: {name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
+    b, h, s, d = q.shape
+    if d not in HEAD_DIMS:
+        raise DomainError(f"{NAME}: head_dim={d} not supported; supported: {HEAD_DIMS}")
+    return {"batch": b, "heads": h, "seq": s, "head_dim": d}
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+    dims = (shape["batch"], shape["heads"], shape["seq"], shape["head_dim"])
+    return {n: torch.randn(*dims, generator=gen, device=gen.device).to(device, dtype) for n in ("q", "k", "v")}
+
+
+def alloc_outputs(inputs: Inputs) -> Outputs:
+    return (torch.empty_like(inputs["q"]),)
+
+
+def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+    cfg = _config(config)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    DOMAIN.check(q.dtype, shape_of(inputs), inputs)
+    (o,) = outs
+    if o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous():
+        raise ValueError(f"{NAME}: output must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    b, h, s, d = q.shape
+    # short sequences (decode-sized prefill) get tiles no larger than the sequence: the configured
+    # BLOCK_M/BLOCK_N are upper bounds, capped at max(16, next_power_of_2(seq))
+    cap = max(16, triton.next_power_of_2(s))
+    bm, bn = min(cfg["BLOCK_M"], cap), min(cfg["BLOCK_N"], cap)
+    _flash_attn_fwd[(triton.cdiv(s, bm), b * h)](
+        q, k, v, o, s, LOG2E / d**0.5, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+        INTERPRETED=q.device.type == "cpu", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _causal(s: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool, device=device).tril()
+
+
+def reference(inputs: Inputs) -> Outputs:
+    q, k, v = (inputs[n].double() for n in ("q", "k", "v"))
+    sc = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
+    return (torch.softmax(sc, dim=-1) @ v,)
+
+
+def eager(inputs: Inputs) -> Outputs:
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    sc = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
+    return (torch.softmax(sc.float(), dim=-1).to(q.dtype) @ v,)
+
+
+def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+    es = torch.empty((), dtype=dtype).element_size()
+    return 4 * shape["batch"] * shape["heads"] * shape["seq"] * shape["head_dim"] * es
+
+
+def flops(shape: Shape) -> int:
+    """Causal: half of the 4*b*h*s^2*d of full attention (two matmuls)."""
+    return 2 * shape["batch"] * shape["heads"] * shape["seq"] ** 2 * shape["head_dim"]
+
+
+def fuzz(rng: random.Random) -> Shape:
+    return {"batch": rng.randint(1, 2), "heads": rng.randint(1, 2), "seq": rng.randint(1, 150),
+            "head_dim": rng.choice(HEAD_DIMS)}
+
+
+def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+    """One specialization per supported head_dim (the GPU path: INTERPRETED=False)."""
+    cfg = _config(config)
+    p = TRITON_DTYPES[dtype]
+    sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32",
+           "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
+    return [AotSpec(_flash_attn_fwd, sig,
+                    {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "INTERPRETED": False},
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for d in HEAD_DIMS]
+
+
+HEAD_DIMS = (64, 128)
+DOMAIN = Domain(
+    dtypes=("fp16", "bf16"),
+    dims={"batch": DimRange(1, 4096), "heads": DimRange(1, 256), "seq": DimRange(1, 65536),
+          "head_dim": DimRange(64, 128, 64)},
+    notes="q, k, v (batch, heads, seq, head_dim) contiguous, one dtype (fp16/bf16), q_len == kv_len, "
+    "no GQA, head_dim 64 or 128, scale 1/sqrt(head_dim), causal (top-left aligned).",
+)
+
+OP = KernelOp(
+    name=NAME,
+    description="causal flash-attention forward (online softmax, no scores in memory), head_dim 64/128",
+    domain=DOMAIN,
+    tolerances={"fp16": Tolerance(4e-3, 4e-3), "bf16": Tolerance(2e-2, 2e-2)},
+    make_inputs=make_inputs,
+    shape_of=shape_of,
+    alloc_outputs=alloc_outputs,
+    run=run,
+    reference=reference,
+    eager=eager,
+    bytes_moved=bytes_moved,
+    flops=flops,
+    test_shapes=({"batch": 1, "heads": 2, "seq": 37, "head_dim": 64},
+                 {"batch": 1, "heads": 1, "seq": 200, "head_dim": 128}),
+    decode_shapes=tuple({"batch": 1, "heads": 32, "seq": t, "head_dim": 128} for t in (1, 16, 64, 256)),
+    prefill_shapes=({"batch": 4, "heads": 32, "seq": 2048, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "seq": 16384, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 64}),
+    fuzz=fuzz,
+    aot=aot,
+    default_config=DEFAULT_CONFIG,
+)

@@ -1,0 +1,148 @@
+"""Fused SwiGLU: ``y = silu(gate) * up`` over two (tokens, hidden) tensors.
+
+Owns op ``swiglu``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances. gate and
+up are separate contiguous tensors (Liger's layout); an elementwise kernel over the flattened tensors with
+one read of each and one write of y. Self-contained bundle module.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+import triton.language as tl
+
+from kernelpack.kernels.spec import (
+    TRITON_DTYPES,
+    AotSpec,
+    DimRange,
+    Domain,
+    DomainError,
+    Inputs,
+    KernelOp,
+    LaunchConfig,
+    Outputs,
+    Shape,
+    Tolerance,
+)
+
+NAME = "swiglu"
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK": 2048, "num_warps": 8, "num_stages": 1}
+# launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
+TUNING_SPACE: list[dict[str, int]] = [{"BLOCK": b, "num_warps": w, "num_stages": 1} for b, w in ((2048, 8), (1024, 4), (2048, 4), (4096, 8), (512, 2), (1024, 2), (512, 4))]
+
+
+@triton.jit
+def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(config: LaunchConfig) -> dict[str, int]:
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = {**DEFAULT_CONFIG, **config}
+    for k, v in cfg.items():
+        pow2 = k != "num_stages"
+        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
+    return cfg
+
+
+def shape_of(inputs: Inputs) -> Shape:
+    g, u = inputs["gate"], inputs["up"]
+    if g.dim() != 2:
+        raise DomainError(f"{NAME}: gate must be 2-D (tokens, hidden), got shape {tuple(g.shape)}")
+    if u.shape != g.shape:
+        raise DomainError(f"{NAME}: up shape {tuple(u.shape)} must equal gate shape {tuple(g.shape)}")
+    if u.dtype != g.dtype or u.device != g.device:
+        raise DomainError(f"{NAME}: up ({u.dtype}, {u.device}) must match gate ({g.dtype}, {g.device})")
+    return {"tokens": g.shape[0], "hidden": g.shape[1]}
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+    t, h = shape["tokens"], shape["hidden"]
+    return {
+        "gate": (2.0 * torch.randn(t, h, generator=gen, device=gen.device)).to(device, dtype),
+        "up": torch.randn(t, h, generator=gen, device=gen.device).to(device, dtype),
+    }
+
+
+def alloc_outputs(inputs: Inputs) -> Outputs:
+    return (torch.empty_like(inputs["gate"]),)
+
+
+def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+    cfg = _config(config)
+    g, u = inputs["gate"], inputs["up"]
+    DOMAIN.check(g.dtype, shape_of(inputs), inputs)
+    (y,) = outs
+    if y.shape != g.shape or y.dtype != g.dtype or not y.is_contiguous():
+        raise ValueError(f"{NAME}: output must be a contiguous {g.dtype} tensor of shape {tuple(g.shape)}")
+    n = g.numel()
+    _swiglu_fwd[(triton.cdiv(n, cfg["BLOCK"]),)](
+        g, u, y, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
+    )
+
+
+def reference(inputs: Inputs) -> Outputs:
+    g, u = inputs["gate"].double(), inputs["up"].double()
+    return (g * torch.sigmoid(g) * u,)
+
+
+def eager(inputs: Inputs) -> Outputs:
+    return (torch.nn.functional.silu(inputs["gate"]) * inputs["up"],)
+
+
+def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+    return 3 * shape["tokens"] * shape["hidden"] * torch.empty((), dtype=dtype).element_size()
+
+
+def flops(shape: Shape) -> int:
+    return 5 * shape["tokens"] * shape["hidden"]
+
+
+def fuzz(rng: random.Random) -> Shape:
+    return {"tokens": rng.randint(1, 9), "hidden": 8 * rng.randint(1, 300)}
+
+
+def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+    cfg = _config(config)
+    p = TRITON_DTYPES[dtype]
+    sig = {"g_ptr": p, "u_ptr": p, "y_ptr": p, "n": "i32", "BLOCK": "constexpr"}
+    return [AotSpec(_swiglu_fwd, sig, {"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"])]
+
+
+DOMAIN = Domain(
+    dtypes=("fp16", "bf16", "fp32"),
+    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 65536, 8)},
+    notes="gate and up (tokens, hidden) of one dtype, contiguous, tokens*hidden < 2**31; hidden a multiple of 8.",
+)
+
+OP = KernelOp(
+    name=NAME,
+    description="y = silu(gate) * up, one read of each input and one write",
+    domain=DOMAIN,
+    tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-3, 2e-3), "bf16": Tolerance(8e-3, 1.6e-2)},
+    make_inputs=make_inputs,
+    shape_of=shape_of,
+    alloc_outputs=alloc_outputs,
+    run=run,
+    reference=reference,
+    eager=eager,
+    bytes_moved=bytes_moved,
+    flops=flops,
+    test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
+    decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
+    prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
+    fuzz=fuzz,
+    aot=aot,
+    default_config=DEFAULT_CONFIG,
+)
