@@ -2,8 +2,8 @@
 
 A bundle ships op modules as *source*; the loader imports them into a private namespace. Each op module
 exposes one module-level ``OP: KernelOp`` object. This file is the stable ABI between bundle code and the
-installed kernelctl (harness, loader, runtime, agents): bundle modules may import ``torch``, ``triton``,
-this module and their own siblings (relative imports), nothing else from kernelctl.
+installed kernelctl (harness, loader, runtime, agents): bundle modules may import the standard library,
+``torch``, ``triton`` and this module, nothing else (no sibling or relative imports; the build checks).
 """
 
 from __future__ import annotations
