@@ -1,0 +1,315 @@
+"""Which version each node should run: canary selection per step, rollback/promotion switches, desired state.
+
+Canaries are chosen deterministically: eligible, non-stale nodes of a stratum ordered by
+``sha256("{rollout_id}:{node_name}")``; a step keeps the canaries it already has and adds the next nodes in
+that order. The blast radius is honoured across ALL active rollouts: at most ``max_fleet_share`` of the active
+fleet, and ``max_label_share`` of the nodes carrying any one value of each ``blast_radius_labels`` key, run a
+non-stable kernel at once (at least one node per group, so tiny groups are not blocked forever). A step that
+asks for more is clamped and the clamp is returned for the verdict evidence. Switches are set-based UPDATEs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import math
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from controller.compat import (
+    NodeInfo,
+    bundle_targets,
+    cached_fleet,
+    eligible_by_stratum,
+    node_rejection,
+    node_stratum,
+)
+from controller.db.models import Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
+from controller.plan import PlanSpec, load_plan
+from kernelctl import wire
+
+CPU_CUDA = frozenset({"", "none", "unknown", "cpu"})
+
+
+def canary_rank(rollout_id: int, node_name: str) -> str:
+    """Deterministic, rollout-specific order of nodes (different rollouts pick different first canaries)."""
+    return hashlib.sha256(f"{rollout_id}:{node_name}".encode()).hexdigest()
+
+
+@dataclass
+class StepAssignment:
+    """Outcome of sizing one stratum's step: requested vs assigned canaries and any blast-radius clamp."""
+
+    stratum: str
+    step_index: int
+    eligible: int
+    requested: int
+    assigned: int
+    added: list[str] = field(default_factory=list)
+    clamp: dict[str, Any] | None = None
+
+    def as_evidence(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["added"] = len(self.added)
+        return d
+
+
+def nonstable_node_ids(session: Session) -> set[int]:
+    """Nodes currently asked to run a candidate of any active rollout."""
+    return set(session.scalars(
+        select(Assignment.node_id).where(Assignment.rollout_id.is_not(None)).distinct()))
+
+
+def rollout_canaries(session: Session, rollout_id: int) -> dict[int, str]:
+    """node_id -> stratum of every current canary of a rollout."""
+    rows = session.execute(
+        select(Node.id, Node.arch, Node.driver_version, Node.triton_version)
+        .join(Assignment, Assignment.node_id == Node.id)
+        .where(Assignment.rollout_id == rollout_id)
+    )
+    return {r[0]: f"{r[1]}/drv{str(r[2]).split('.')[0]}/triton{r[3]}" for r in rows}
+
+
+def assign_step(
+    session: Session, rollout: Rollout, strata: list[RolloutStratum], plan: PlanSpec, *, now: dt.datetime,
+    fleet: list[NodeInfo] | None = None,
+) -> dict[str, StepAssignment]:
+    """Bring each given stratum to its step's canary count (never shrinks), honouring the blast radius."""
+    fleet = cached_fleet(session) if fleet is None else fleet
+    by_id = {n.id: n for n in fleet}
+    active = [n for n in fleet if n.state == "active"]
+    eligible = eligible_by_stratum(rollout.bundle, active)
+    nonstable = nonstable_node_ids(session)
+    mine = rollout_canaries(session, rollout.id)
+    fleet_cap = max(1, math.floor(plan.max_fleet_share * len(active)))
+    label_total: Counter[tuple[str, str]] = Counter()
+    for n in active:
+        for key in plan.blast_radius_labels:
+            if key in n.labels:
+                label_total[(key, str(n.labels[key]))] += 1
+    label_used: Counter[tuple[str, str]] = Counter()
+    for nid in nonstable:
+        n = by_id.get(nid)
+        if n is not None:
+            for key in plan.blast_radius_labels:
+                if key in n.labels:
+                    label_used[(key, str(n.labels[key]))] += 1
+
+    def label_cap(k: tuple[str, str]) -> int:
+        return max(1, math.floor(plan.max_label_share * label_total[k]))
+
+    out: dict[str, StepAssignment] = {}
+    for row in strata:
+        step = plan.steps[min(row.step_index, len(plan.steps) - 1)]
+        pool = eligible.get(row.stratum, [])
+        requested = step.target(len(pool))
+        current = [nid for nid, s in mine.items() if s == row.stratum and by_id[nid].state == "active"]
+        result = StepAssignment(row.stratum, row.step_index, len(pool), requested, len(current))
+        limited: list[str] = []
+        added: list[NodeInfo] = []
+        if len(current) < requested:
+            have = set(mine)
+            for n in sorted(pool, key=lambda n: canary_rank(rollout.id, n.name)):
+                if len(current) + len(added) >= requested:
+                    break
+                if n.id in have:
+                    continue
+                new_to_fleet = n.id not in nonstable
+                if new_to_fleet and len(nonstable) + 1 > fleet_cap:
+                    limited.append(f"max_fleet_share {plan.max_fleet_share:g} (cap {fleet_cap} of "
+                                   f"{len(active)} active nodes)")
+                    break
+                keys = [(k, str(n.labels[k])) for k in plan.blast_radius_labels if k in n.labels]
+                over = [k for k in keys if new_to_fleet and label_used[k] + 1 > label_cap(k)]
+                if over:
+                    k = over[0]
+                    msg = (f"max_label_share {plan.max_label_share:g} on {k[0]}={k[1]} "
+                           f"(cap {label_cap(k)} of {label_total[k]})")
+                    if msg not in limited:
+                        limited.append(msg)
+                    continue
+                added.append(n)
+                if new_to_fleet:
+                    nonstable.add(n.id)
+                    for k in keys:
+                        label_used[k] += 1
+        result.added = [n.name for n in added]
+        result.assigned = len(current) + len(added)
+        if result.assigned < requested:
+            result.clamp = {"requested": requested, "assigned": result.assigned, "limited_by": limited}
+        for n in added:
+            mine[n.id] = row.stratum
+        _set_candidate(session, [n.id for n in added], rollout, row.baseline_bundle_id, now)
+        out[row.stratum] = result
+    return out
+
+
+def _set_candidate(session: Session, node_ids: list[int], rollout: Rollout, baseline_id: int | None,
+                   now: dt.datetime) -> None:
+    if not node_ids:
+        return
+    name = rollout.bundle.name
+    existing = set(session.scalars(select(Assignment.node_id).where(
+        Assignment.bundle_name == name, Assignment.node_id.in_(node_ids))))
+    values = {"desired_bundle_id": rollout.bundle_id, "rollout_id": rollout.id,
+              "stable_bundle_id": baseline_id, "updated_at": now}
+    if existing:
+        session.execute(update(Assignment).where(Assignment.bundle_name == name,
+                                                 Assignment.node_id.in_(existing)).values(**values),
+                        execution_options={"synchronize_session": False})
+    missing = [nid for nid in node_ids if nid not in existing]
+    if missing:
+        session.execute(insert(Assignment), [
+            {"node_id": nid, "bundle_name": name, "staged": {"versions": []}, **values} for nid in missing])
+
+
+def revert_to_stable(session: Session, rollout_id: int, strata: set[str] | None, *, now: dt.datetime) -> int:
+    """Switch canaries of a rollout (all, or those in ``strata``) back to their stable version at once."""
+    stmt = update(Assignment).where(Assignment.rollout_id == rollout_id)
+    if strata is not None:
+        ids = [nid for nid, s in rollout_canaries(session, rollout_id).items() if s in strata]
+        if not ids:
+            return 0
+        stmt = stmt.where(Assignment.node_id.in_(ids))
+    res = session.execute(
+        stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, updated_at=now),
+        execution_options={"synchronize_session": False})
+    return int(res.rowcount or 0)
+
+
+def make_stable(session: Session, rollout: Rollout, stratum: str, *, now: dt.datetime,
+                fleet: list[NodeInfo] | None = None) -> int:
+    """Candidate becomes the stable version of ``stratum``: stable_versions row, every eligible node's assignment."""
+    bundle = rollout.bundle
+    sv = session.scalar(select(StableVersion).where(StableVersion.bundle_name == bundle.name,
+                                                    StableVersion.stratum == stratum))
+    if sv is None:
+        session.add(StableVersion(bundle_name=bundle.name, stratum=stratum, bundle_id=bundle.id, since=now,
+                                  rollout_id=rollout.id))
+    else:
+        sv.bundle_id, sv.since, sv.rollout_id = bundle.id, now, rollout.id
+    ids = [nid for nid, s in rollout_canaries(session, rollout.id).items() if s == stratum]
+    targets = bundle_targets(bundle)
+    fleet = cached_fleet(session) if fleet is None else fleet
+    ids += [n.id for n in fleet if n.stratum == stratum and node_rejection(targets, n) is None]
+    ids = sorted(set(ids))
+    if not ids:
+        return 0
+    values = {"stable_bundle_id": bundle.id, "desired_bundle_id": bundle.id, "rollout_id": None, "updated_at": now}
+    existing = set(session.scalars(select(Assignment.node_id).where(
+        Assignment.bundle_name == bundle.name, Assignment.node_id.in_(ids))))
+    if existing:
+        session.execute(update(Assignment).where(Assignment.bundle_name == bundle.name,
+                                                 Assignment.node_id.in_(existing))
+                        .where((Assignment.rollout_id.is_(None)) | (Assignment.rollout_id == rollout.id))
+                        .values(**values), execution_options={"synchronize_session": False})
+    missing = [nid for nid in ids if nid not in existing]
+    if missing:
+        session.execute(insert(Assignment), [
+            {"node_id": nid, "bundle_name": bundle.name, "staged": {"versions": []}, **values} for nid in missing])
+    return len(ids)
+
+
+# ------------------------------------------------------------------------------------------ desired state
+def _ref(b: Bundle) -> wire.BundleRef:
+    return wire.BundleRef(name=b.name, version=b.version, digest=b.digest)
+
+
+def is_cpu_node(node: Node) -> bool:
+    return str(node.cuda_version).lower() in CPU_CUDA or node.gpu_name.lower().startswith("cpu")
+
+
+def trial_shapes(manifest: dict[str, Any], plan: PlanSpec, *, cpu: bool) -> tuple[list[int], list[int]]:
+    """Batch sizes and prefill tokens from the bundle's traffic profile (capped by the plan on CPU nodes)."""
+    traffic = manifest.get("traffic") or {}
+    batches = [int(x) for x in traffic.get("decode_batch_sizes", [])]
+    prefill = [int(x) for x in traffic.get("prefill_tokens", [])]
+    if cpu:
+        batches = [x for x in batches if x <= plan.cpu_max_batch] or batches[:1]
+        prefill = [x for x in prefill if x <= plan.cpu_max_prefill] or prefill[:1]
+    return batches, prefill
+
+
+def _sync_stable(session: Session, node: Node, rows: dict[str, Assignment], now: dt.datetime) -> None:
+    """Give the node its stratum's stable versions (new nodes, promotions that happened while it was away)."""
+    stratum = node_stratum(node)
+    stables = session.execute(select(StableVersion.bundle_name, StableVersion.bundle_id)
+                              .where(StableVersion.stratum == stratum)).all()
+    if not stables:
+        return
+    bundles = {b.id: b for b in session.scalars(select(Bundle).where(Bundle.id.in_([s[1] for s in stables])))}
+    for name, bid in stables:
+        a = rows.get(name)
+        if a is not None and (a.rollout_id is not None or a.stable_bundle_id == bid):
+            continue
+        if node_rejection(bundle_targets(bundles[bid]), node) is not None:
+            continue
+        if a is None:
+            a = Assignment(node_id=node.id, bundle_name=name, staged={"versions": []}, updated_at=now)
+            session.add(a)
+            rows[name] = a
+        a.stable_bundle_id = bid
+        a.desired_bundle_id = bid
+        a.updated_at = now
+
+
+def desired_state(session: Session, node: Node, *, now: dt.datetime | None = None,
+                  rows: dict[str, Assignment] | None = None) -> list[wire.DesiredBundle]:
+    """What the node should run for each bundle name (the heartbeat reply).
+
+    ``rows`` (the node's assignments by bundle name) saves a query when the caller already loaded them.
+    """
+    now = now or dt.datetime.now(dt.timezone.utc)
+    if rows is None:
+        rows = {a.bundle_name: a for a in session.scalars(select(Assignment).where(Assignment.node_id == node.id))}
+    _sync_stable(session, node, rows, now)
+    ids = {i for a in rows.values() for i in (a.desired_bundle_id, a.stable_bundle_id) if i is not None}
+    bundles = {i: b for i in ids if (b := session.get(Bundle, i)) is not None}  # identity map first
+    rollout_ids = {a.rollout_id for a in rows.values() if a.rollout_id is not None}
+    rollouts = {r.id: r for r in session.scalars(select(Rollout).where(Rollout.id.in_(rollout_ids)))} \
+        if rollout_ids else {}
+    stratum = node_stratum(node)
+    strata_state: dict[int, str] = {}
+    if rollout_ids:
+        strata_state = dict(session.execute(
+            select(RolloutStratum.rollout_id, RolloutStratum.state)
+            .where(RolloutStratum.rollout_id.in_(rollout_ids), RolloutStratum.stratum == stratum)).all())
+    out: list[wire.DesiredBundle] = []
+    for name in sorted(rows):
+        a = rows[name]
+        if a.desired_bundle_id is None:
+            continue  # first rollout rolled back: nothing to run, serving code uses its fallback
+        active = bundles[a.desired_bundle_id]
+        stable = bundles.get(a.stable_bundle_id) if a.stable_bundle_id is not None else None
+        candidate = a.rollout_id is not None and a.desired_bundle_id != a.stable_bundle_id
+        trial = None
+        rollout = rollouts.get(a.rollout_id) if a.rollout_id is not None else None
+        if candidate and rollout is not None and strata_state.get(rollout.id) in ("progressing", "paused"):
+            plan = load_plan(rollout.plan)
+            batches, prefill = trial_shapes(active.manifest, plan, cpu=is_cpu_node(node))
+            trial = wire.TrialSpec(
+                rollout_id=rollout.id, stratum=stratum, candidate=_ref(active),
+                stable=_ref(stable) if stable is not None else None, batch_sizes=batches,
+                prefill_tokens=prefill, rounds=plan.trial_rounds, interval_seconds=plan.trial_interval_seconds)
+        out.append(wire.DesiredBundle(name=name, active=_ref(active), stable=_ref(stable) if stable else None,
+                                      role="candidate" if candidate else "stable", trial=trial))
+    return out
+
+
+def canary_counts(session: Session, rollout_ids: list[int]) -> dict[tuple[int, str], int]:
+    """(rollout_id, stratum) -> number of current non-stale canaries (one GROUP BY query)."""
+    if not rollout_ids:
+        return {}
+    counts: dict[tuple[int, str], int] = defaultdict(int)
+    for rid, arch, drv, tri, n in session.execute(
+        select(Assignment.rollout_id, Node.arch, Node.driver_version, Node.triton_version, func.count())
+        .join(Node, Node.id == Assignment.node_id)
+        .where(Assignment.rollout_id.in_(rollout_ids), Node.state == "active")
+        .group_by(Assignment.rollout_id, Node.arch, Node.driver_version, Node.triton_version)
+    ):
+        counts[(rid, f"{arch}/drv{str(drv).split('.')[0]}/triton{tri}")] += n
+    return dict(counts)

@@ -1,0 +1,194 @@
+"""Registering what exists: bundle versions (verified before anything is stored), nodes and their heartbeats.
+
+A heartbeat updates liveness, records the versions the node reports staged and active (closing and opening
+``activations`` rows, which answer "what ran on node N at time T") and returns the node's desired state.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from controller.assignments import desired_state
+from controller.changelog import record_event
+from controller.db.models import Activation, Assignment, Bundle, BundleTarget, Node, utcnow
+from controller.errors import Conflict, Invalid, NotFound
+from kernelctl import wire
+from kernelctl.settings import get_settings
+from kernelpack.errors import BundleError
+from kernelpack.verify import TrustedKeys, verify_bytes
+
+INVENTORY_FIELDS = ("gpu_name", "compute_capability", "arch", "driver_version", "cuda_version", "triton_version",
+                    "torch_version", "memory_total_mb", "labels")
+
+
+def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: Path | TrustedKeys) -> Bundle:
+    """Verify a .kpack (signature by a trusted key, manifest, every file digest) and store it.
+
+    Re-pushing identical bytes returns the stored bundle; the same name@version with other bytes is a Conflict.
+    """
+    if not data:
+        raise Invalid("bundle upload is empty")
+    try:
+        vb = verify_bytes(data, trusted_keys)
+    except BundleError as exc:
+        raise Invalid(f"bundle refused: {exc}") from None
+    m = vb.manifest
+    ref = f"{m.name}@{m.version}"
+    existing = session.scalar(select(Bundle).where(Bundle.name == m.name, Bundle.version == m.version))
+    if existing is not None:
+        if existing.digest == vb.digest:
+            return existing
+        raise Conflict(f"{ref} is already registered with digest {existing.digest[:16]}…, this upload has "
+                       f"{vb.digest[:16]}…: versions are immutable, bump the version")
+    bundle = Bundle(
+        name=m.name, version=m.version, parent_version=m.parent, digest=vb.digest,
+        manifest=json.loads(vb.manifest_bytes), signer_key_id=vb.key_id, status="registered",
+        fault_fixture=m.fault_fixture, size_bytes=len(data), content=data, created_at=utcnow(), created_by=actor,
+    )
+    bundle.targets = [
+        BundleTarget(arch=a, min_driver=m.targets.min_driver, cuda=",".join(m.targets.cuda),
+                     triton=m.targets.triton, torch=m.targets.torch)
+        for a in m.targets.archs
+    ]
+    try:
+        with session.begin_nested():
+            session.add(bundle)
+    except IntegrityError:
+        raise Conflict(f"{ref} (or its digest) was registered concurrently; retry the push") from None
+    record_event(session, actor=actor, action="bundle.registered", subject=f"bundle:{ref}", bundle=ref,
+                 payload={"digest": vb.digest, "signer_key_id": vb.key_id, "size_bytes": len(data),
+                          "archs": list(m.targets.archs), "parent": m.parent, "fault_fixture": m.fault_fixture})
+    return bundle
+
+
+def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
+                  *, now: dt.datetime | None = None) -> Node:
+    """Create the node, or update its inventory (event ``node.inventory_changed`` only when it changed)."""
+    now = now or utcnow()
+    node = session.scalar(select(Node).where(Node.name == node_name))
+    if node is None:
+        node = Node(name=node_name, registered_at=now, last_heartbeat_at=now, state="active",
+                    **inventory.model_dump())
+        try:
+            with session.begin_nested():
+                session.add(node)
+        except IntegrityError:
+            raise Conflict(f"node {node_name} was registered concurrently; retry") from None
+        record_event(session, actor=actor, action="node.registered", subject=f"node:{node_name}", node=node_name,
+                     payload=inventory.model_dump())
+        return node
+    apply_inventory(session, node, inventory, actor=actor)
+    node.last_heartbeat_at = now
+    _mark_active(session, node, actor=actor)
+    return node
+
+
+def apply_inventory(session: Session, node: Node, inventory: wire.Inventory, *, actor: str) -> bool:
+    new = inventory.model_dump()
+    changed = {k: {"from": getattr(node, k), "to": v} for k, v in new.items() if getattr(node, k) != v}
+    if not changed:
+        return False
+    for k in changed:
+        setattr(node, k, new[k])
+    record_event(session, actor=actor, action="node.inventory_changed", subject=f"node:{node.name}",
+                 node=node.name, payload=changed)
+    return True
+
+
+def _mark_active(session: Session, node: Node, *, actor: str) -> None:
+    if node.state != "active":
+        node.state = "active"
+        record_event(session, actor=actor, action="node.active", subject=f"node:{node.name}", node=node.name,
+                     reason="heartbeat received")
+
+
+def get_node(session: Session, node_name: str) -> Node:
+    node = session.scalar(select(Node).where(Node.name == node_name))
+    if node is None:
+        raise NotFound(f"node {node_name} is not registered (the agent must register first)")
+    return node
+
+
+def heartbeat(session: Session, req: wire.HeartbeatRequest, now: dt.datetime,
+              *, heartbeat_seconds: float | None = None) -> wire.HeartbeatResponse:
+    """Record liveness and what the node runs; answer with its desired state."""
+    node = get_node(session, req.node_name)
+    actor = f"node:{node.name}"
+    if req.inventory is not None:
+        apply_inventory(session, node, req.inventory, actor=actor)
+    node.last_heartbeat_at = now
+    _mark_active(session, node, actor=actor)
+    rows = record_reported(session, node, staged=req.staged, active=req.active, now=now)
+    desired = desired_state(session, node, now=now, rows=rows)
+    return wire.HeartbeatResponse(
+        node_name=node.name, desired=desired, server_time=now,
+        heartbeat_seconds=heartbeat_seconds if heartbeat_seconds is not None else get_settings().heartbeat_seconds,
+    )
+
+
+def record_reported(session: Session, node: Node, *, staged: list[wire.BundleRef], active: list[wire.BundleRef],
+                    now: dt.datetime) -> dict[str, Assignment]:
+    """Store the node's staged/active versions (full snapshots); activation history on every change.
+
+    Returns the node's assignments by bundle name (including rows created here).
+    """
+    names = {r.name for r in staged} | {r.name for r in active}
+    rows = {a.bundle_name: a for a in session.scalars(select(Assignment).where(Assignment.node_id == node.id))}
+    known: dict[tuple[str, str], tuple[int, str]] = {}
+    if names:
+        for bid, name, version, digest in session.execute(
+            select(Bundle.id, Bundle.name, Bundle.version, Bundle.digest).where(Bundle.name.in_(names))
+        ):
+            known[(name, version)] = (bid, digest)
+
+    def resolve(ref: wire.BundleRef) -> int | None:
+        hit = known.get((ref.name, ref.version))
+        return hit[0] if hit is not None and hit[1] == ref.digest else None
+
+    staged_by_name: dict[str, list[str]] = {}
+    for r in staged:
+        if resolve(r) is not None:
+            staged_by_name.setdefault(r.name, []).append(r.version)
+    active_by_name: dict[str, tuple[int, str]] = {}
+    for r in active:
+        bid = resolve(r)
+        if bid is not None:
+            active_by_name[r.name] = (bid, r.version)
+    for name in sorted(set(rows) | set(staged_by_name) | set(active_by_name)):
+        a = rows.get(name)
+        versions = {"versions": sorted(staged_by_name.get(name, []))}
+        new_active = active_by_name.get(name)
+        if a is None:
+            a = Assignment(node_id=node.id, bundle_name=name, staged={"versions": []}, updated_at=now)
+            session.add(a)
+            rows[name] = a
+        if (a.staged or {}) != versions:
+            a.staged = versions
+        new_id = new_active[0] if new_active else None
+        if a.active_bundle_id == new_id:
+            continue
+        previous = a.active_bundle_id
+        a.active_bundle_id = new_id
+        a.updated_at = now
+        session.execute(update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == name,
+                                                 Activation.ended_at.is_(None)).values(ended_at=now),
+                        execution_options={"synchronize_session": False})
+        prev_ref = None
+        if previous is not None:
+            pb = session.get(Bundle, previous)
+            prev_ref = pb.ref if pb else None
+        if new_active is not None:
+            ref = f"{name}@{new_active[1]}"
+            session.add(Activation(node_id=node.id, bundle_id=new_id, bundle_name=name, started_at=now))
+            record_event(session, actor=f"node:{node.name}", action="assignment.activated", subject=f"node:{node.name}",
+                         bundle=ref, node=node.name, payload={"previous": prev_ref})
+        else:
+            record_event(session, actor=f"node:{node.name}", action="assignment.deactivated",
+                         subject=f"node:{node.name}", bundle=prev_ref, node=node.name, payload={})
+    return rows

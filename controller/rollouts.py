@@ -1,0 +1,465 @@
+"""The rollout state machine: start, promote, rollback, pause, resume (per rollout and per stratum).
+
+States: ``pending -> progressing(step k) -> ... -> promoted``; ``progressing <-> paused``;
+``pending|progressing|paused -> rolled_back``; ``promoted`` and ``rolled_back`` are terminal. Each stratum has
+its own state in ``rollout_strata`` (pending | progressing | paused | promoted | rolled_back) and the rollout's
+state summarises them. Every function runs inside the caller's transaction, writes its changelog event there,
+is idempotent (repeating an action is a no-op success without a second event) and refuses an invalid
+transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
+:class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import re
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
+
+from controller import assignments
+from controller.changelog import record_event
+from controller.compat import (
+    ACTIVE_ROLLOUT_STATES,
+    cached_fleet,
+    eligible_by_stratum,
+)
+from controller.db.models import (
+    Bundle,
+    Incompatibility,
+    Rollout,
+    RolloutStep,
+    RolloutStratum,
+    StableVersion,
+    Verdict,
+    utcnow,
+)
+from controller.errors import Conflict, Invalid, NotFound
+from controller.plan import PlanSpec, load_plan
+
+ACTIVE_STRATA = ("pending", "progressing", "paused")
+TERMINAL = ("promoted", "rolled_back")
+REF_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,127})@(\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)$")
+SYSTEM_ACTOR = "controller"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """Split ``name@version``; Invalid when it is not of that form."""
+    m = REF_RE.match(ref or "")
+    if not m:
+        raise Invalid(f"bundle reference {ref!r} is not NAME@VERSION (e.g. llm-fused@1.1.0)")
+    return m.group(1), m.group(2)
+
+
+def get_bundle(session: Session, ref: str) -> Bundle:
+    name, version = parse_ref(ref)
+    b = session.scalar(select(Bundle).where(Bundle.name == name, Bundle.version == version))
+    if b is None:
+        raise NotFound(f"bundle {ref} is not registered (push it first: kernelctl bundle push)")
+    return b
+
+
+def get_rollout(session: Session, rollout_id: int) -> Rollout:
+    r = session.get(Rollout, rollout_id)
+    if r is None:
+        raise NotFound(f"rollout {rollout_id} does not exist")
+    return r
+
+
+def flush(session: Session, what: str) -> None:
+    """Flush; a lost optimistic-concurrency race becomes Conflict naming the row."""
+    try:
+        session.flush()
+    except StaleDataError:
+        raise Conflict(f"{what} was changed by another writer at the same time; re-read it and retry") from None
+
+
+def guarded(fn: F) -> F:
+    """Turn a lost optimistic-concurrency race anywhere in ``fn`` (flush or autoflush) into Conflict."""
+
+    @functools.wraps(fn)
+    def wrapper(session: Session, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(session, *args, **kwargs)
+        except StaleDataError:
+            what = f"rollout {args[0]}" if args and isinstance(args[0], int) else "the rollout"
+            raise Conflict(f"{what} was changed by another writer at the same time; re-read it and retry") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _touch(rollout: Rollout, now: dt.datetime) -> None:
+    rollout.updated_at = now  # bumps row_version: any two transitions of one rollout conflict
+
+
+def _event(session: Session, rollout: Rollout, action: str, *, actor: str, reason: str | None = None,
+           payload: dict[str, Any] | None = None) -> None:
+    record_event(session, actor=actor, action=action, subject=f"rollout:{rollout.id}", reason=reason,
+                 payload=payload or {}, bundle=rollout.bundle.ref, rollout_id=rollout.id)
+
+
+def summarise(rollout: Rollout) -> str:
+    """The rollout state implied by its strata."""
+    states = {s.state for s in rollout.strata}
+    for st in ("progressing", "paused", "pending"):
+        if st in states:
+            return st
+    return "promoted" if "promoted" in states else "rolled_back"
+
+
+def _sync_summary(rollout: Rollout) -> None:
+    rollout.state = summarise(rollout)
+    live = [s.step_index for s in rollout.strata if s.state in ACTIVE_STRATA]
+    rollout.step_index = min(live) if live else max((s.step_index for s in rollout.strata), default=0)
+
+
+# ------------------------------------------------------------------------------------------------ start
+@guarded
+def start_rollout(
+    session: Session,
+    bundle_ref: str,
+    *,
+    actor: str,
+    plan: PlanSpec | None = None,
+    force: bool = False,
+    reason: str | None = None,
+    now: dt.datetime | None = None,
+) -> Rollout:
+    """Create a pending rollout of ``bundle_ref`` over the strata where it is eligible and not yet stable.
+
+    Starting the same version again while its rollout is active returns that rollout (no-op).
+    """
+    now = now or utcnow()
+    name, _ = parse_ref(bundle_ref)
+    # lock every version of this bundle name: concurrent starts of one name serialise (PostgreSQL)
+    session.execute(select(Bundle.id).where(Bundle.name == name).with_for_update()).all()
+    bundle = get_bundle(session, bundle_ref)
+    if bundle.status == "revoked" and not force:
+        raise Conflict(f"{bundle.ref} is revoked ({bundle.status_reason or 'no reason recorded'}); "
+                       "start it with force to roll it out anyway")
+    plan = plan or PlanSpec()
+    active = list(session.scalars(select(Rollout).join(Bundle, Bundle.id == Rollout.bundle_id)
+                                  .where(Bundle.name == name, Rollout.state.in_(ACTIVE_ROLLOUT_STATES))))
+    for r in active:
+        if r.bundle_id == bundle.id:
+            return r
+    fleet = [n for n in cached_fleet(session) if n.state == "active"]
+    eligible = eligible_by_stratum(bundle, fleet)
+    if not eligible:
+        targets = ", ".join(f"{t.arch} drv>={t.min_driver} triton {t.triton} torch {t.torch}" for t in bundle.targets)
+        raise Conflict(f"no eligible nodes for {bundle.ref}: no active node matches its targets ({targets})")
+    stable = dict(session.execute(select(StableVersion.stratum, StableVersion.bundle_id)
+                                  .where(StableVersion.bundle_name == name)).all())
+    incompatible = dict(session.execute(select(Incompatibility.stratum, Incompatibility.reason)
+                                        .where(Incompatibility.bundle_id == bundle.id)).all())
+    excluded: dict[str, str] = {}
+    chosen: list[str] = []
+    for s in sorted(eligible):
+        if stable.get(s) == bundle.id:
+            excluded[s] = "already the stable version"
+        elif s in incompatible and not force:
+            excluded[s] = f"marked incompatible: {incompatible[s]}"
+        else:
+            chosen.append(s)
+    if not chosen:
+        why = "; ".join(f"{s}: {w}" for s, w in excluded.items())
+        raise Conflict(f"nothing to roll out for {bundle.ref}: every eligible stratum is excluded ({why})")
+    for r in active:
+        overlap = sorted({s.stratum for s in r.strata if s.state in ACTIVE_STRATA} & set(chosen))
+        if overlap:
+            raise Conflict(f"rollout {r.id} of {r.bundle.ref} is still active on {', '.join(overlap)}: "
+                           "finish, roll back or wait for it first")
+    rollout = Rollout(bundle=bundle, state="pending", step_index=0, plan=plan.model_dump(mode="json"),
+                      created_by=actor, created_at=now, updated_at=now, reason=reason, forced=force)
+    rollout.steps = [
+        RolloutStep(index=i, nodes=st.nodes, percent=st.percent, bake_seconds=st.bake_seconds,
+                    min_samples=st.min_samples, deadline_seconds=st.deadline_seconds)
+        for i, st in enumerate(plan.steps)
+    ]
+    rollout.strata = [
+        RolloutStratum(stratum=s, baseline_bundle_id=stable.get(s), state="pending", step_index=0,
+                       step_started_at=now)
+        for s in chosen
+    ]
+    session.add(rollout)
+    flush(session, f"bundle {bundle.ref}")
+    _event(session, rollout, "rollout.started", actor=actor, reason=reason, payload={
+        "strata": {s: {"eligible": len(eligible[s]), "baseline": _ref_of(session, stable.get(s))} for s in chosen},
+        "excluded": excluded, "forced": force, "plan": rollout.plan})
+    return rollout
+
+
+def _ref_of(session: Session, bundle_id: int | None) -> str | None:
+    if bundle_id is None:
+        return None
+    b = session.get(Bundle, bundle_id)
+    return b.ref if b else None
+
+
+# ------------------------------------------------------------------------------- step-level transitions
+def begin(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, reason: str | None = None
+          ) -> dict[str, assignments.StepAssignment]:
+    """pending -> progressing at step 0: pick and switch the first canaries."""
+    if rollout.state != "pending":
+        raise Conflict(f"rollout {rollout.id} is {rollout.state}, not pending")
+    rows = [s for s in rollout.strata if s.state == "pending"]
+    for s in rows:
+        s.state, s.step_index, s.step_started_at = "progressing", 0, now
+    sized = assignments.assign_step(session, rollout, rows, load_plan(rollout.plan), now=now)
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    _event(session, rollout, "rollout.progressing", actor=actor, reason=reason,
+           payload={"step": 0, "strata": {k: v.as_evidence() for k, v in sized.items()}})
+    return sized
+
+
+def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, now: dt.datetime,
+                    reason: str | None = None) -> tuple[str, assignments.StepAssignment | None]:
+    """Move one stratum to its next step, or promote it after the last; returns ("advance"|"promote", sizing)."""
+    plan = load_plan(rollout.plan)
+    if row.step_index + 1 >= len(plan.steps):
+        promote_stratum(session, rollout, row, actor=actor, now=now, reason=reason)
+        return "promote", None
+    row.step_index += 1
+    row.state, row.step_started_at = "progressing", now
+    sized = assignments.assign_step(session, rollout, [row], plan, now=now)[row.stratum]
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    _event(session, rollout, "rollout.advanced", actor=actor, reason=reason,
+           payload={"stratum": row.stratum, "step": row.step_index, "sizing": sized.as_evidence()})
+    return "advance", sized
+
+
+def promote_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, now: dt.datetime,
+                    reason: str | None = None) -> None:
+    """The candidate becomes the stable version of this stratum."""
+    row.state, row.reason = "promoted", reason
+    nodes = assignments.make_stable(session, rollout, row.stratum, now=now)
+    _event(session, rollout, "rollout.stratum_promoted", actor=actor, reason=reason,
+           payload={"stratum": row.stratum, "step": row.step_index, "nodes": nodes})
+    _finish_if_done(session, rollout, actor=actor, now=now, reason=reason)
+
+
+def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratum], *, actor: str, reason: str,
+                    now: dt.datetime, mark_incompatible: bool, evidence: dict[str, Any] | None = None) -> int:
+    """Switch the canaries of ``rows`` back to stable now; optionally mark the version incompatible there."""
+    if not rows:
+        return 0
+    names = {r.stratum for r in rows}
+    for r in rows:
+        r.state, r.reason = "rolled_back", reason
+    everything = all(s.state in TERMINAL for s in rollout.strata) and not any(
+        s.state == "promoted" for s in rollout.strata)
+    reverted = assignments.revert_to_stable(session, rollout.id, None if everything else names, now=now)
+    if mark_incompatible:
+        existing = set(session.scalars(select(Incompatibility.stratum).where(
+            Incompatibility.bundle_id == rollout.bundle_id, Incompatibility.stratum.in_(names))))
+        for s in sorted(names - existing):
+            session.add(Incompatibility(bundle_id=rollout.bundle_id, stratum=s, reason=reason, at=now))
+            record_event(session, actor=actor, action="bundle.incompatible", subject=f"bundle:{rollout.bundle.ref}",
+                         reason=reason, payload={"stratum": s}, bundle=rollout.bundle.ref, rollout_id=rollout.id)
+    _event(session, rollout, "rollout.stratum_rolled_back", actor=actor, reason=reason,
+           payload={"strata": sorted(names), "reverted_nodes": reverted, **(evidence or {})})
+    _finish_if_done(session, rollout, actor=actor, now=now, reason=reason)
+    return reverted
+
+
+def pause_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, reason: str,
+                  now: dt.datetime) -> None:
+    row.state, row.reason = "paused", reason
+    before = rollout.state
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    action = "rollout.paused" if rollout.state == "paused" and before != "paused" else "rollout.stratum_paused"
+    _event(session, rollout, action, actor=actor, reason=reason, payload={"stratum": row.stratum,
+                                                                           "step": row.step_index})
+
+
+def _finish_if_done(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, reason: str | None) -> None:
+    before = rollout.state
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    if rollout.state == before or rollout.state not in TERMINAL:
+        return
+    if rollout.state == "promoted":
+        _event(session, rollout, "rollout.promoted", actor=actor, reason=reason, payload={
+            "promoted": [s.stratum for s in rollout.strata if s.state == "promoted"],
+            "rolled_back": [s.stratum for s in rollout.strata if s.state == "rolled_back"]})
+        return
+    _event(session, rollout, "rollout.rolled_back", actor=actor, reason=reason,
+           payload={"strata": [s.stratum for s in rollout.strata]})
+    revoke_bundle(session, rollout.bundle, actor=actor, reason=reason or f"rollout {rollout.id} rolled back",
+                  rollout_id=rollout.id)
+
+
+def revoke_bundle(session: Session, bundle: Bundle, *, actor: str, reason: str, rollout_id: int | None = None) -> bool:
+    """Mark a version revoked so nothing re-rolls it unless forced; False when it already was."""
+    if bundle.status == "revoked":
+        return False
+    bundle.status, bundle.status_reason = "revoked", reason
+    record_event(session, actor=actor, action="bundle.revoked", subject=f"bundle:{bundle.ref}", reason=reason,
+                 bundle=bundle.ref, rollout_id=rollout_id)
+    return True
+
+
+# ----------------------------------------------------------------------------------- operator actions
+def _live_rows(rollout: Rollout) -> list[RolloutStratum]:
+    return [s for s in rollout.strata if s.state in ACTIVE_STRATA]
+
+
+@guarded
+def promote(
+    session: Session,
+    rollout_id: int,
+    *,
+    actor: str,
+    full: bool = False,
+    reason: str | None = None,
+    to_step: int | None = None,
+    now: dt.datetime | None = None,
+) -> Rollout:
+    """Advance every live stratum one step (``full``: make the candidate stable everywhere now).
+
+    ``to_step`` makes a step promotion idempotent: strata already at or past it are left alone.
+    """
+    now = now or utcnow()
+    rollout = get_rollout(session, rollout_id)
+    if rollout.state == "rolled_back":
+        raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
+                       "start a new rollout (with force for a revoked version)")
+    if rollout.state == "promoted":
+        return rollout
+    if rollout.state == "pending":
+        begin(session, rollout, actor=actor, now=now, reason=reason)
+        if not full:
+            flush(session, f"rollout {rollout_id}")
+            return rollout
+    rows = _live_rows(rollout)
+    if full:
+        for row in rows:
+            promote_stratum(session, rollout, row, actor=actor, now=now, reason=reason)
+    else:
+        moved = False
+        for row in rows:
+            if to_step is not None and row.step_index >= to_step:
+                continue
+            advance_stratum(session, rollout, row, actor=actor, now=now, reason=reason)
+            moved = True
+        if not moved:
+            return rollout
+    flush(session, f"rollout {rollout_id}")
+    return rollout
+
+
+@guarded
+def rollback(
+    session: Session,
+    rollout_id: int,
+    *,
+    actor: str,
+    reason: str,
+    strata: Iterable[str] | None = None,
+    now: dt.datetime | None = None,
+) -> Rollout:
+    """Return canaries to stable at once; whole rollout (version revoked) or listed strata (marked incompatible)."""
+    now = now or utcnow()
+    if not reason or not reason.strip():
+        raise Invalid("a rollback needs a reason (it is recorded in the changelog)")
+    rollout = get_rollout(session, rollout_id)
+    if rollout.state == "promoted":
+        raise Conflict(f"rollout {rollout_id} is promoted (terminal): roll forward with a new rollout instead")
+    if rollout.state == "rolled_back":
+        return rollout
+    by_name = {s.stratum: s for s in rollout.strata}
+    if strata is None:
+        rows = _live_rows(rollout)
+        rollback_strata(session, rollout, rows, actor=actor, reason=reason, now=now, mark_incompatible=False)
+    else:
+        wanted = list(dict.fromkeys(strata))
+        if not wanted:
+            raise Invalid("strata is empty: name at least one stratum, or omit it to roll back everything")
+        unknown = [s for s in wanted if s not in by_name]
+        if unknown:
+            raise Invalid(f"rollout {rollout_id} has no stratum {', '.join(unknown)} "
+                          f"(it has {', '.join(sorted(by_name))})")
+        done = [s for s in wanted if by_name[s].state == "promoted"]
+        if done:
+            raise Conflict(f"stratum {', '.join(done)} of rollout {rollout_id} is already promoted")
+        rows = [by_name[s] for s in wanted if by_name[s].state in ACTIVE_STRATA]
+        if not rows:
+            return rollout
+        rollback_strata(session, rollout, rows, actor=actor, reason=reason, now=now, mark_incompatible=True)
+    flush(session, f"rollout {rollout_id}")
+    return rollout
+
+
+@guarded
+def pause(session: Session, rollout_id: int, *, actor: str, reason: str | None = None,
+          now: dt.datetime | None = None) -> Rollout:
+    """progressing -> paused: canaries stay as they are, nothing widens or is judged for latency."""
+    now = now or utcnow()
+    rollout = get_rollout(session, rollout_id)
+    if rollout.state == "paused":
+        return rollout
+    if rollout.state != "progressing":
+        raise Conflict(f"rollout {rollout_id} is {rollout.state}: only a progressing rollout can be paused")
+    for s in rollout.strata:
+        if s.state == "progressing":
+            s.state, s.reason = "paused", reason or "paused by operator"
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    _event(session, rollout, "rollout.paused", actor=actor, reason=reason)
+    flush(session, f"rollout {rollout_id}")
+    return rollout
+
+
+@guarded
+def resume(session: Session, rollout_id: int, *, actor: str, reason: str | None = None,
+           now: dt.datetime | None = None) -> Rollout:
+    """paused -> progressing; each resumed stratum starts a fresh evidence window (bake, samples, deadline)."""
+    now = now or utcnow()
+    rollout = get_rollout(session, rollout_id)
+    if rollout.state == "progressing":
+        return rollout
+    if rollout.state != "paused":
+        raise Conflict(f"rollout {rollout_id} is {rollout.state}: only a paused rollout can be resumed")
+    resumed = []
+    for s in rollout.strata:
+        if s.state == "paused":
+            s.state, s.reason, s.step_started_at = "progressing", None, now
+            resumed.append(s.stratum)
+    _sync_summary(rollout)
+    _touch(rollout, now)
+    _event(session, rollout, "rollout.resumed", actor=actor, reason=reason, payload={"strata": resumed})
+    flush(session, f"rollout {rollout_id}")
+    return rollout
+
+
+# --------------------------------------------------------------------------------------------- reading
+def rollout_detail(session: Session, rollout_id: int) -> dict[str, Any]:
+    """A JSON-safe view of a rollout: strata, steps and the latest verdict (with evidence) per stratum."""
+    r = get_rollout(session, rollout_id)
+    latest: dict[str, Verdict] = {}
+    for v in session.scalars(select(Verdict).where(Verdict.rollout_id == r.id).order_by(Verdict.id)):
+        latest[v.stratum] = v
+    return {
+        "id": r.id, "bundle": r.bundle.ref, "state": r.state, "step_index": r.step_index,
+        "created_by": r.created_by, "created_at": r.created_at.isoformat(), "reason": r.reason,
+        "forced": r.forced, "plan": r.plan,
+        "steps": [{"index": s.index, "nodes": s.nodes, "percent": s.percent, "bake_seconds": s.bake_seconds,
+                   "min_samples": s.min_samples, "deadline_seconds": s.deadline_seconds} for s in r.steps],
+        "strata": [{
+            "stratum": s.stratum, "state": s.state, "step_index": s.step_index,
+            "baseline": _ref_of(session, s.baseline_bundle_id), "reason": s.reason,
+            "step_started_at": s.step_started_at.isoformat(),
+            "verdict": None if s.stratum not in latest else {
+                "decision": latest[s.stratum].decision, "gate": latest[s.stratum].gate,
+                "samples": latest[s.stratum].samples, "at": latest[s.stratum].at.isoformat(),
+                "evidence": latest[s.stratum].evidence},
+        } for s in r.strata],
+    }

@@ -1,0 +1,140 @@
+"""Report ingestion: idempotency keys, log-ratio medians, refusals, hard-gate first failure, concurrent replays."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import threading
+
+import pytest
+from sqlalchemy import func, select
+
+from controller import rollouts
+from controller.db.models import Report, RolloutStratum
+from controller.errors import Invalid
+from controller.ingest import ingest_reports
+from controller.rollouts import get_rollout, start_rollout
+from kernelctl import wire
+from tests.controller.enginekit import T0, Kit
+
+
+@pytest.fixture
+def kit(db_url, tmp_path):
+    k = Kit(db_url, tmp_path)
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def setup(kit: Kit):
+    kit.nodes(2, prefix="h", arch="sm_90")
+    kit.nodes(1, prefix="a", arch="sm_80")
+    bid = kit.push("1.1.0", archs=("sm_90",))
+    with kit.tx() as s:
+        rid = start_rollout(s, "llm-fused@1.1.0", actor="op").id
+    with kit.tx() as s:
+        rollouts.begin(s, get_rollout(s, rid), actor="controller", now=T0)
+    return rid, kit.ref(bid)
+
+
+def _ingest(kit: Kit, node: str, reports: list[wire.TrialReport], now: dt.datetime = T0) -> tuple[int, int]:
+    with kit.tx() as s:
+        return ingest_reports(s, kit.node(s, node), wire.ReportBatch(node_name=node, reports=reports), now)
+
+
+def _count(kit: Kit) -> int:
+    with kit.tx() as s:
+        return s.scalar(select(func.count()).select_from(Report))
+
+
+def test_replayed_and_partial_batches_count_once(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-000")
+        reps = [kit.report(n, rid, cand, None, key=f"h0-key-{i:04d}") for i in range(4)]
+    assert _ingest(kit, "h-000", reps[:2]) == (2, 0)
+    assert _ingest(kit, "h-000", reps[:2]) == (0, 2)
+    assert _ingest(kit, "h-000", reps) == (2, 2)
+    assert _ingest(kit, "h-000", [reps[0], reps[0]]) == (0, 2)
+    assert _count(kit) == 4
+
+
+def test_log_ratio_median_and_detail(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-000")
+    pairs = [wire.LatencyPair(op="bias_gelu", tokens=4, stable_s=1.0, candidate_s=c) for c in (1.3, 1.1, 1.0)]
+    check = wire.NumericCheck(op="bias_gelu", dtype="fp16", shape={"m": 4}, max_abs_err=1e-4, max_rel_err=1e-3,
+                              within_tolerance=True, vs_stable_max_abs=0.0, vs_stable_within=True)
+    rep = kit.report(n, rid, cand, None, ratio=None, key="detail-1").model_copy(update={
+        "latency": pairs, "numerics": [check], "e2e_stable_s": 0.01, "e2e_candidate_s": 0.011,
+        "peak_memory_bytes": 123456, "detail": "fine"})
+    assert _ingest(kit, "h-000", [rep]) == (1, 0)
+    with kit.tx() as s:
+        r = s.scalar(select(Report))
+        assert r.latency_log_ratio == pytest.approx(math.log(1.1)) and r.n_pairs == 3
+        assert r.outcome == "ok" and r.peak_memory_bytes == 123456 and r.stratum == "sm_90/drv550/triton3.6.0"
+        assert r.detail["numerics"]["checks"] == 1 and r.detail["e2e"] == {"stable_s": 0.01, "candidate_s": 0.011}
+        assert r.detail["text"] == "fine"
+
+
+def test_refusals_store_nothing(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        h, a = kit.node(s, "h-000"), kit.node(s, "a-000")
+        good = kit.report(h, rid, cand, None, key="good-0001")
+        unknown = kit.report(h, 999, cand, None, key="bad-0001")
+        foreign = kit.report(a, rid, cand, None, key="bad-0002")
+    wrong = good.model_copy(update={"idempotency_key": "bad-0003",
+                                    "candidate": cand.model_copy(update={"digest": "f" * 64})})
+    cases = [("h-000", [good, unknown], "rollout 999 does not exist"),
+             ("a-000", [foreign], "not part of rollout"),
+             ("h-000", [wrong], "is not the bundle of rollout")]
+    for node, reps, msg in cases:
+        with pytest.raises(Invalid, match=msg):
+            _ingest(kit, node, reps)
+    with pytest.raises(Invalid, match="sent by node"), kit.tx() as s:
+        ingest_reports(s, kit.node(s, "h-001"), wire.ReportBatch(node_name="h-000", reports=[good]), T0)
+    assert _count(kit) == 0
+
+
+def test_hard_gate_sets_first_failure_once_and_escalates_ok(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-000")
+    bad_check = wire.NumericCheck(op="bias_gelu", dtype="fp16", shape={"m": 4}, max_abs_err=5.0, max_rel_err=1.0,
+                                  within_tolerance=False)
+    rep = kit.report(n, rid, cand, None, key="num-0001").model_copy(update={"numerics": [bad_check]})
+    assert _ingest(kit, "h-000", [kit.report(n, rid, cand, None, key="ok-00001")]) == (1, 0)
+    with kit.tx() as s:
+        assert s.scalar(select(RolloutStratum.first_failure_at)) is None
+    assert _ingest(kit, "h-000", [rep], now=T0 + dt.timedelta(seconds=10)) == (1, 0)
+    assert _ingest(kit, "h-000", [kit.report(n, rid, cand, None, outcome="crash", ratio=None, key="crash-001")],
+                   now=T0 + dt.timedelta(seconds=20)) == (1, 0)
+    with kit.tx() as s:
+        first = s.scalar(select(RolloutStratum.first_failure_at))
+        assert first.replace(tzinfo=dt.timezone.utc) == T0 + dt.timedelta(seconds=10)
+        outcomes = dict(s.execute(select(Report.idempotency_key, Report.outcome)).all())
+        assert outcomes == {"ok-00001": "ok", "num-0001": "numeric_error", "crash-001": "crash"}
+        assert s.scalar(select(Report.latency_log_ratio).where(Report.idempotency_key == "num-0001")) is None
+
+
+def test_concurrent_replays_count_once(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-001")
+        reps = [kit.report(n, rid, cand, None, key=f"cc-{i:05d}") for i in range(200)]
+    barrier = threading.Barrier(3)
+    got: list[tuple[int, int]] = []
+
+    def worker() -> None:
+        barrier.wait()
+        got.append(_ingest(kit, "h-001", reps))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(a for a, _ in got) == 200 and all(a + d == 200 for a, d in got)
+    assert _count(kit) == 200
