@@ -1,0 +1,270 @@
+"""The FastAPI application: ``create_app(settings)`` wires routes, errors, metrics, body limits and lifespan.
+
+Lifespan: open the database (schema must be at head), hash the bootstrap tokens in, start the leader
+elector and the scheduler (which acts only while this replica leads); on shutdown stop both and release
+leadership. Every error answers JSON ``{"detail": "..."}`` with the status the API contract names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm.exc import StaleDataError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
+
+from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
+from controller.api.deps import AppState
+from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
+from controller.db.engine import DatabaseError, check_schema_current, make_engine, session_factory
+from controller.errors import KernelctlError
+from controller.leader import LeaderElector
+from controller.metrics import Metrics
+from kernelctl import __version__
+from kernelctl.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JSON_BODY_LIMIT = 32 * 1024 * 1024  # any non-bundle request body
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit: at once from Content-Length, or while streaming without it."""
+
+    def __init__(self, app: ASGIApp, bundle_limit: int) -> None:
+        self.app = app
+        self.bundle_limit = bundle_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        is_bundle = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/bundles"
+        limit = self.bundle_limit if is_bundle else JSON_BODY_LIMIT
+        what = "bundle" if is_bundle else "request body"
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    length = -1
+                if length > limit:
+                    await _send_json(send, 413, f"{what} of {length} bytes is over the limit of {limit} bytes")
+                    return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"{what} is over the limit of {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_json(send: Send, status: int, detail: str) -> None:
+    import json
+
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class MetricsMiddleware:
+    """Record request duration by method, route template and status (never the raw path)."""
+
+    def __init__(self, app: ASGIApp, get_metrics: Callable[[], Metrics | None]) -> None:
+        self.app = app
+        self.get_metrics = get_metrics  # the metrics live in the app state, built by the lifespan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        metrics = self.get_metrics() if scope["type"] == "http" else None
+        if metrics is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            metrics.http_duration.labels(scope["method"], template, str(status["code"])).observe(
+                time.perf_counter() - start
+            )
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    from kernelpack.errors import BundleError
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's field list, made JSON-safe: a refused NaN/Infinity is echoed back as a string
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(AuthError)
+    async def _auth(_r: Request, exc: AuthError) -> JSONResponse:
+        return _error(401, str(exc), {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(_r: Request, exc: Forbidden) -> JSONResponse:
+        return _error(403, str(exc))
+
+    @app.exception_handler(KernelctlError)
+    async def _domain(_r: Request, exc: KernelctlError) -> JSONResponse:
+        return _error(exc.status_code, str(exc))
+
+    @app.exception_handler(BundleError)
+    async def _bundle(_r: Request, exc: BundleError) -> JSONResponse:
+        return _error(422, f"bundle refused: {exc}")
+
+    @app.exception_handler(StaleDataError)
+    async def _stale(_r: Request, _exc: StaleDataError) -> JSONResponse:
+        return _error(409, "another writer changed this rollout at the same time; nothing was changed, retry")
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(_r: Request, exc: IntegrityError) -> JSONResponse:
+        cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "constraint violated"
+        return _error(409, f"conflict with existing data: {cause}")
+
+    @app.exception_handler(OperationalError)
+    async def _db(_r: Request, exc: OperationalError) -> JSONResponse:
+        cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        log.error("database error: %s", cause)
+        return _error(503, f"database unavailable: {cause}")
+
+    @app.exception_handler(DatabaseError)
+    async def _db2(_r: Request, exc: DatabaseError) -> JSONResponse:
+        return _error(503, str(exc))
+
+
+def _load_trusted_keys(settings: Settings) -> dict | None:
+    if settings.trusted_keys_dir is None:
+        return None
+    from kernelpack.signing import load_trusted_keys
+
+    return load_trusted_keys(settings.trusted_keys_dir)
+
+
+@retry(retry=retry_if_exception_type(IntegrityError), stop=stop_after_attempt(3), wait=wait_random(0, 0.2), reraise=True)
+def _bootstrap(state: AppState) -> int:
+    assert state.settings.bootstrap_tokens_file is not None
+    with state.tx() as session:
+        return load_bootstrap_tokens(session, state.settings.bootstrap_tokens_file)
+
+
+def build_state(settings: Settings) -> AppState:
+    """Open the database (schema must be at head) and load trusted keys and bootstrap tokens."""
+    engine = make_engine(settings.database_url)
+    check_schema_current(engine)
+    metrics = Metrics()
+    factory = session_factory(engine)
+    metrics.bind_database(factory)
+    elector = LeaderElector(settings.database_url, on_change=lambda lead: metrics.leader.set(1 if lead else 0))
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        factory=factory,
+        metrics=metrics,
+        elector=elector,
+        trusted_keys=_load_trusted_keys(settings),
+    )
+    if settings.bootstrap_tokens_file is not None:
+        added = _bootstrap(state)
+        log.info("bootstrap tokens: %d added from %s", added, settings.bootstrap_tokens_file)
+    return state
+
+
+def create_app(settings: Settings, *, state: AppState | None = None, run_scheduler: bool = True) -> FastAPI:
+    """The controller's ASGI app. ``state`` may be pre-built (``build_state``) to fail before serving."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from controller.scheduler import ControllerScheduler
+
+        st = state or build_state(settings)
+        app.state.kctl = st
+        scheduler = ControllerScheduler(st) if run_scheduler else None
+        if scheduler is not None:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            if scheduler is not None:
+                scheduler.shutdown()
+            st.elector.release()
+            st.metrics.leader.set(0)
+            st.engine.dispose()
+
+    app = FastAPI(
+        title="kernelctl controller",
+        version=__version__,
+        description="Canary rollouts of GPU kernel bundles: agents, bundles, rollouts, fleet and audit.",
+        lifespan=lifespan,
+    )
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    def readyz(request: Request) -> JSONResponse:
+        st: AppState = request.app.state.kctl
+        try:
+            check_schema_current(st.engine)
+        except DatabaseError as exc:
+            return JSONResponse({"ready": False, "leader": st.elector.is_leader, "detail": str(exc)}, 503)
+        return JSONResponse({"ready": True, "leader": st.elector.is_leader, "version": __version__})
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics(request: Request) -> Response:
+        st: AppState = request.app.state.kctl
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    for module in (routes_agents, routes_bundles, routes_rollouts, routes_fleet):
+        app.include_router(module.router)
+    _install_error_handlers(app)
+
+    app.add_middleware(BodyLimitMiddleware, bundle_limit=settings.max_bundle_bytes)
+    app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(getattr(app.state, "kctl", None), "metrics", None))
+    return app

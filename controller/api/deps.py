@@ -1,0 +1,98 @@
+"""Shared request plumbing: the app state, one-transaction sessions, bearer authentication, role checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.auth import AuthError, Principal, authenticate, hash_token, require_role
+from controller.db.engine import session_scope
+from controller.leader import LeaderElector
+from controller.metrics import Metrics
+from kernelctl.settings import Settings
+
+AUTH_CACHE_SECONDS = 5.0
+
+
+@dataclass
+class AppState:
+    """Everything a request needs; built once by ``create_app``."""
+
+    settings: Settings
+    engine: Engine
+    factory: sessionmaker[Session]
+    metrics: Metrics
+    elector: LeaderElector
+    trusted_keys: dict | None = None
+    _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
+    _auth_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def tx(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back on any error."""
+        with session_scope(self.factory) as session:
+            yield session
+
+    def authenticate(self, token: str | None) -> Principal:
+        """Authenticate a bearer token (cached a few seconds: revocation takes effect within that time)."""
+        if not token:
+            raise AuthError("missing bearer token (send `Authorization: Bearer <token>`)")
+        key = hash_token(token)
+        now = time.monotonic()
+        with self._auth_lock:
+            hit = self._auth_cache.get(key)
+            if hit is not None and now - hit[0] < AUTH_CACHE_SECONDS:
+                return hit[1]
+        with self.factory() as session:
+            principal = authenticate(session, token)
+        with self._auth_lock:
+            if len(self._auth_cache) > 50_000:
+                self._auth_cache.clear()
+            self._auth_cache[key] = (now, principal)
+        return principal
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.kctl
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise AuthError("malformed Authorization header (expected `Bearer <token>`)")
+    return value.strip()
+
+
+def get_principal(request: Request, state: State) -> Principal:
+    return state.authenticate(bearer_token(request))
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def viewer(principal: CurrentPrincipal) -> Principal:
+    require_role(principal, "viewer")
+    return principal
+
+
+def operator(principal: CurrentPrincipal) -> Principal:
+    require_role(principal, "operator")
+    return principal
+
+
+Viewer = Annotated[Principal, Depends(viewer)]
+Operator = Annotated[Principal, Depends(operator)]

@@ -1,0 +1,112 @@
+"""Bundle endpoints: push (raw .kpack, verified, size-capped while streaming), list, show, content download."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from controller import registry
+from controller.api.deps import CurrentPrincipal, Operator, State, Viewer
+from controller.api.schemas import BundleOut
+from controller.auth import Forbidden, require_role
+from controller.db.models import Bundle
+from controller.errors import Conflict, NotFound
+from kernelctl import wire
+
+router = APIRouter(prefix=wire.API_PREFIX + "/bundles", tags=["bundles"])
+
+
+def bundle_out(b: Bundle, *, manifest: bool = False) -> BundleOut:
+    return BundleOut(
+        name=b.name,
+        version=b.version,
+        ref=b.ref,
+        digest=b.digest,
+        status=b.status,
+        status_reason=b.status_reason,
+        parent_version=b.parent_version,
+        signer_key_id=b.signer_key_id,
+        size_bytes=b.size_bytes,
+        created_at=b.created_at,
+        created_by=b.created_by,
+        targets=[
+            {"arch": t.arch, "min_driver": t.min_driver, "cuda": t.cuda, "triton": t.triton, "torch": t.torch}
+            for t in b.targets
+        ],
+        manifest=b.manifest if manifest else None,
+    )
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise HTTPException(413, f"bundle is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post("", status_code=201, response_model=BundleOut, responses={413: {"model": wire.ErrorBody}},
+             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
+                 "schema": {"type": "string", "format": "binary"}}}}})
+async def push(request: Request, principal: Operator, state: State) -> BundleOut:
+    """Register a signed bundle: the raw .kpack bytes, verified with the controller's trusted keys."""
+    data = await _read_capped(request, state.settings.max_bundle_bytes)
+    if not data:
+        raise HTTPException(422, "empty body: send the .kpack bytes (Content-Type: application/octet-stream)")
+    if state.trusted_keys is None:
+        raise Conflict("the controller has no trusted keys (set KERNELCTL_TRUSTED_KEYS_DIR): it cannot verify bundles")
+
+    def work() -> BundleOut:
+        with state.tx() as session:
+            bundle = registry.register_bundle(session, data, actor=principal.actor, trusted_keys=state.trusted_keys)
+            session.flush()
+            return bundle_out(bundle, manifest=True)
+
+    return await run_in_threadpool(work)
+
+
+@router.get("", response_model=list[BundleOut])
+def list_bundles(_p: Viewer, state: State, name: str | None = None) -> list[BundleOut]:
+    """Every registered bundle version (optionally of one name), oldest first."""
+    with state.tx() as session:
+        stmt = select(Bundle).options(selectinload(Bundle.targets)).order_by(Bundle.name, Bundle.created_at, Bundle.id)
+        if name:
+            stmt = stmt.where(Bundle.name == name)
+        return [bundle_out(b) for b in session.scalars(stmt)]
+
+
+def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped-def]
+    b = session.scalars(select(Bundle).where(Bundle.name == name, Bundle.version == version)).first()
+    if b is None:
+        raise NotFound(f"no bundle {name}@{version} is registered")
+    return b
+
+
+@router.get("/{name}/{version}", response_model=BundleOut)
+def show(name: str, version: str, _p: Viewer, state: State) -> BundleOut:
+    with state.tx() as session:
+        return bundle_out(_get(session, name, version), manifest=True)
+
+
+@router.get("/{name}/{version}/content", response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+def content(name: str, version: str, principal: CurrentPrincipal, state: State) -> Response:
+    """The .kpack bytes (agents with a node token, operators, viewers); header X-Kernelctl-Digest."""
+    require_role(principal, "agent", "viewer")
+    if principal.is_enrollment:
+        raise Forbidden("an enrollment token may only register; use the node token returned by register")
+    with state.tx() as session:
+        b = _get(session, name, version)
+        data, digest = b.content, b.digest
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"X-Kernelctl-Digest": digest, "Content-Disposition": f'attachment; filename="{name}-{version}.kpack"'},
+    )

@@ -1,0 +1,182 @@
+"""Rollout endpoints: start, list, status (strata, steps, latest verdicts with evidence), promote, rollback,
+pause, resume. Each change is one transaction of the rollout engine (which writes its changelog event)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from fastapi import APIRouter
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.exc import StaleDataError
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
+
+from controller import rollouts
+from controller.api.deps import Operator, State, Viewer
+from controller.api.schemas import (
+    PromoteRequest,
+    ReasonRequest,
+    RollbackRequest,
+    RolloutDetail,
+    RolloutOut,
+    RolloutStartRequest,
+    StepOut,
+    StratumOut,
+    VerdictOut,
+)
+from controller.compat import load_fleet
+from controller.db.models import Assignment, Bundle, Rollout, Verdict
+from controller.errors import Conflict, NotFound
+from kernelctl import wire
+
+router = APIRouter(prefix=wire.API_PREFIX + "/rollouts", tags=["rollouts"])
+VERDICT_HISTORY = 50
+
+
+def rollout_out(r: Rollout) -> RolloutOut:
+    return RolloutOut(
+        id=r.id, bundle=r.bundle.ref, state=r.state, step_index=r.step_index, created_by=r.created_by,
+        created_at=r.created_at, updated_at=r.updated_at, reason=r.reason, forced=r.forced,
+    )
+
+
+def _verdict_out(v: Verdict) -> VerdictOut:
+    return VerdictOut(stratum=v.stratum, step_index=v.step_index, at=v.at, decision=v.decision, gate=v.gate,
+                      samples=v.samples, evidence=v.evidence or {})
+
+
+def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
+    r = session.scalars(
+        select(Rollout).where(Rollout.id == rollout_id)
+        .options(selectinload(Rollout.steps), selectinload(Rollout.strata), selectinload(Rollout.bundle))
+    ).first()
+    if r is None:
+        raise NotFound(f"no rollout with id {rollout_id}")
+    verdicts = list(session.scalars(
+        select(Verdict).where(Verdict.rollout_id == r.id).order_by(Verdict.at.desc(), Verdict.id.desc())
+        .limit(VERDICT_HISTORY)
+    ))
+    latest: dict[str, Verdict] = {}
+    for v in verdicts:
+        latest.setdefault(v.stratum, v)
+    baselines = {b.id: b.ref for b in session.scalars(
+        select(Bundle).where(Bundle.id.in_([s.baseline_bundle_id for s in r.strata if s.baseline_bundle_id]))
+    )} if r.strata else {}
+    # nodes per state in each stratum: eligible (fleet), assigned (desired = candidate), active (running it)
+    stratum_of = {n.id: n.stratum for n in load_fleet(session)}
+    fleet_counts = Counter(stratum_of.values())
+    nodes: dict[str, Counter] = defaultdict(Counter)
+    for node_id, desired, active in session.execute(
+        select(Assignment.node_id, Assignment.desired_bundle_id, Assignment.active_bundle_id)
+        .where(Assignment.bundle_name == r.bundle.name, Assignment.rollout_id == r.id)
+    ):
+        st = stratum_of.get(node_id)
+        if st is None:
+            continue
+        if desired == r.bundle_id:
+            nodes[st]["assigned"] += 1
+        if active == r.bundle_id:
+            nodes[st]["active"] += 1
+    strata = [
+        StratumOut(
+            stratum=s.stratum, state=s.state, step_index=s.step_index, step_started_at=s.step_started_at,
+            baseline=baselines.get(s.baseline_bundle_id) if s.baseline_bundle_id else None, reason=s.reason,
+            first_failure_at=s.first_failure_at,
+            nodes={"fleet": fleet_counts.get(s.stratum, 0), "assigned": nodes[s.stratum]["assigned"],
+                   "active": nodes[s.stratum]["active"]},
+            latest_verdict=_verdict_out(latest[s.stratum]) if s.stratum in latest else None,
+        )
+        for s in r.strata
+    ]
+    base = rollout_out(r)
+    return RolloutDetail(
+        **base.model_dump(), plan=r.plan or {},
+        steps=[StepOut(index=s.index, nodes=s.nodes, percent=s.percent, bake_seconds=s.bake_seconds,
+                       min_samples=s.min_samples, deadline_seconds=s.deadline_seconds) for s in r.steps],
+        strata=strata, verdicts=[_verdict_out(v) for v in verdicts],
+    )
+
+
+def _concurrent(exc: BaseException) -> bool:
+    """A lost optimistic-concurrency race (e.g. with the judge's tick): safe to retry on fresh state."""
+    return isinstance(exc, StaleDataError) or (isinstance(exc, Conflict) and "another writer" in str(exc))
+
+
+# Operator transitions re-run their whole transaction when they lose a race with the tick (fresh read each
+# time); a real conflict (invalid transition) fails the same way again and is returned as 409.
+retry_race = retry(retry=retry_if_exception(_concurrent), stop=stop_after_attempt(4),
+                   wait=wait_random(0.05, 0.3), reraise=True)
+
+
+def _id(obj: object) -> int:
+    return obj if isinstance(obj, int) else obj.id  # type: ignore[attr-defined]
+
+
+@retry_race
+def _transition(state, rollout_id: int, action) -> RolloutDetail:  # type: ignore[no-untyped-def]
+    """One operator transition in one transaction (re-run on a lost race), answered with the new status."""
+    with state.tx() as session:
+        action(session)
+        session.flush()
+        return rollout_detail(session, rollout_id)
+
+
+@router.post("", status_code=201, response_model=RolloutDetail)
+def start(req: RolloutStartRequest, principal: Operator, state: State) -> RolloutDetail:
+    """Start a rollout of NAME@VERSION with the given (or default) plan."""
+    @retry_race
+    def tx() -> RolloutDetail:
+        with state.tx() as session:
+            r = rollouts.start_rollout(session, req.bundle, actor=principal.actor, plan=req.plan, force=req.force,
+                                       reason=req.reason)
+            session.flush()
+            return rollout_detail(session, _id(r))
+
+    return tx()
+
+
+@router.get("", response_model=list[RolloutOut])
+def list_rollouts(_p: Viewer, state: State, state_filter: str | None = None, limit: int = 100) -> list[RolloutOut]:
+    with state.tx() as session:
+        stmt = select(Rollout).options(selectinload(Rollout.bundle)).order_by(Rollout.id.desc()).limit(
+            max(1, min(limit, 10_000)))
+        if state_filter:
+            stmt = stmt.where(Rollout.state == state_filter)
+        return [rollout_out(r) for r in session.scalars(stmt)]
+
+
+@router.get("/{rollout_id}", response_model=RolloutDetail)
+def show(rollout_id: int, _p: Viewer, state: State) -> RolloutDetail:
+    with state.tx() as session:
+        return rollout_detail(session, rollout_id)
+
+
+@router.post("/{rollout_id}/promote", response_model=RolloutDetail)
+def promote(rollout_id: int, principal: Operator, state: State, req: PromoteRequest | None = None) -> RolloutDetail:
+    body = req or PromoteRequest()
+    return _transition(state, rollout_id, lambda s: rollouts.promote(
+        s, rollout_id, actor=principal.actor, full=body.full, reason=body.reason))
+
+
+@router.post("/{rollout_id}/rollback", response_model=RolloutDetail)
+def rollback(rollout_id: int, req: RollbackRequest, principal: Operator, state: State) -> RolloutDetail:
+    detail = _transition(state, rollout_id, lambda s: rollouts.rollback(
+        s, rollout_id, actor=principal.actor, reason=req.reason, strata=req.strata))
+    state.metrics.rollbacks.inc()
+    return detail
+
+
+@router.post("/{rollout_id}/pause", response_model=RolloutDetail)
+def pause(rollout_id: int, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
+    reason = (req or ReasonRequest()).reason
+    return _transition(state, rollout_id, lambda s: rollouts.pause(s, rollout_id, actor=principal.actor, reason=reason))
+
+
+@router.post("/{rollout_id}/resume", response_model=RolloutDetail)
+def resume(rollout_id: int, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
+    reason = (req or ReasonRequest()).reason
+    return _transition(state, rollout_id, lambda s: rollouts.resume(s, rollout_id, actor=principal.actor, reason=reason))
+
+
+def count_by_state(session: Session) -> dict[str, int]:
+    return dict(session.execute(select(Rollout.state, func.count()).group_by(Rollout.state)).all())

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the controller, on its own CollectorRegistry (no per-node labels).
+
+Event metrics (counters, histograms) are updated where things happen; fleet gauges (rollouts by state,
+nodes by arch/state, step age) are read from the database at scrape time, so every replica reports the
+same truth without a tick having to run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.db.models import Node, Rollout, RolloutStratum
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_STATES = ("pending", "progressing", "paused", "promoted", "rolled_back")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROLLBACK_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+class _FleetCollector(Collector):
+    """Gauges computed from the changelog at scrape time."""
+
+    def __init__(self, factory: Callable[[], sessionmaker[Session] | None]) -> None:
+        self._factory = factory
+
+    def describe(self) -> list:  # type: ignore[override]
+        return []  # collected lazily: do not query the DB at registration time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rollouts = GaugeMetricFamily("kernelctl_rollouts", "Rollouts by state.", labels=["state"])
+        nodes = GaugeMetricFamily("kernelctl_nodes", "Nodes by architecture and state.", labels=["arch", "state"])
+        age = GaugeMetricFamily(
+            "kernelctl_rollout_step_age_seconds", "Age of the oldest current step over progressing strata."
+        )
+        factory = self._factory()
+        if factory is None:
+            return
+        try:
+            with factory() as session:
+                by_state = dict(session.execute(select(Rollout.state, func.count()).group_by(Rollout.state)).all())
+                for state in ROLLOUT_STATES:
+                    rollouts.add_metric([state], float(by_state.get(state, 0)))
+                for arch, state, n in session.execute(
+                    select(Node.arch, Node.state, func.count()).group_by(Node.arch, Node.state)
+                ).all():
+                    nodes.add_metric([arch, state], float(n))
+                oldest = session.scalar(
+                    select(func.min(RolloutStratum.step_started_at))
+                    .join(Rollout, Rollout.id == RolloutStratum.rollout_id)
+                    .where(RolloutStratum.state == "progressing", Rollout.state == "progressing")
+                )
+        except Exception as exc:  # the DB being down must not break /metrics
+            log.warning("fleet metrics unavailable: %s", str(exc).splitlines()[0])
+            return
+        if oldest is not None:
+            if oldest.tzinfo is None:
+                oldest = oldest.replace(tzinfo=dt.timezone.utc)
+            age.add_metric([], max(0.0, (dt.datetime.now(dt.timezone.utc) - oldest).total_seconds()))
+        else:
+            age.add_metric([], 0.0)
+        yield rollouts
+        yield nodes
+        yield age
+
+
+class Metrics:
+    """All controller metrics on one registry; ``render()`` gives the Prometheus text."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.leader = Gauge("kernelctl_leader", "1 when this replica is the leader.", registry=r)
+        self.rollbacks = Counter("kernelctl_rollbacks_total", "Rollbacks decided (judge or operator).", registry=r)
+        self.verdicts = Counter(
+            "kernelctl_verdicts_total", "Judge verdicts by gate and decision.", ["gate", "decision"], registry=r
+        )
+        self.time_to_rollback = Histogram(
+            "kernelctl_time_to_rollback_seconds",
+            "First failing report received -> rollback decision.",
+            buckets=ROLLBACK_BUCKETS,
+            registry=r,
+        )
+        self.reports_ingested = Counter(
+            "kernelctl_reports_ingested_total",
+            "Trial reports received, by ingestion outcome (accepted, duplicate, rejected).",
+            ["outcome"],
+            registry=r,
+        )
+        self.tick_duration = Histogram(
+            "kernelctl_tick_duration_seconds", "Judge tick duration.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.http_duration = Histogram(
+            "kernelctl_http_request_duration_seconds",
+            "HTTP request duration by method, route template and status.",
+            ["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._factory: sessionmaker[Session] | None = None
+        r.register(_FleetCollector(lambda: self._factory))
+        self.leader.set(0)
+
+    def bind_database(self, factory: sessionmaker[Session]) -> None:
+        """Enable the scrape-time fleet gauges on this session factory."""
+        self._factory = factory
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

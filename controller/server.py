@@ -1,0 +1,104 @@
+"""``serve(settings)``: run the controller under uvicorn, programmatically, with graceful SIGTERM.
+
+The socket is bound before uvicorn starts (port 0 picks a free port); the bound address is logged and,
+with ``port_file``, written to a file so that tests and supervisors learn it without racing. On SIGTERM
+or SIGINT uvicorn stops accepting, finishes in-flight requests, and the lifespan stops the scheduler and
+releases leadership. Access logs carry method, path and status only: never headers, so never tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from controller.api.app import build_state, create_app
+from kernelctl.settings import Settings
+
+log = logging.getLogger("kernelctl.server")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = []
+        lg.propagate = True
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: Settings, *, port_file: Path | None = None) -> None:
+    """Run the controller until SIGTERM/SIGINT. Raises DatabaseError/OSError/ValueError before serving."""
+    configure_logging(settings.log_level, settings.log_format)
+    state = build_state(settings)  # fail fast: DB reachable, schema at head, keys and tokens loaded
+    sock = bind_socket(settings.listen_host, settings.listen_port)
+    host, port = sock.getsockname()[:2]
+    app = create_app(settings, state=state)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=True,
+        lifespan="on",
+        timeout_graceful_shutdown=20,
+        proxy_headers=False,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    log.info("kernelctl controller listening on http://%s:%d (database %s)", host, port,
+             state.engine.url.render_as_string(hide_password=True))
+    if port_file is not None:
+        tmp = port_file.with_suffix(port_file.suffix + ".tmp")
+        tmp.write_text(f"{port}\n")
+        os.replace(tmp, port_file)
+    # uvicorn re-raises the signal it stopped on (after a graceful shutdown) through the handler that was in
+    # place before it started: make that handler ask for the same graceful exit, so SIGTERM exits 0.
+    def _graceful(_sig: int, _frame: object) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _graceful)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    log.info("kernelctl controller stopped")

@@ -1,0 +1,398 @@
+"""Start a REAL ``kernelctl serve`` subprocess (uvicorn on 127.0.0.1, a free port) for tests, and stop it.
+
+Usage (agent and e2e tests reuse this)::
+
+    from tests.controller.serverutil import ControllerProcess, make_tokens
+
+    tokens = make_tokens()                         # {"operator": ..., "viewer": ..., "enroll": ...}
+    with ControllerProcess(db_url, tmp_path, tokens=tokens, trusted_keys_dir=keys) as ctl:
+        httpx.get(ctl.url + "/readyz")             # ctl.url = "http://127.0.0.1:PORT"
+        ctl.client("operator").post("/v1/rollouts", json=...)
+        ctl.kill()                                 # SIGKILL (crash), or ctl.stop() for SIGTERM
+        ctl.start()                                # same DB, same tokens, a new free port
+    print(ctl.log_text())                          # everything the server wrote (stdout + stderr)
+
+The database must already be migrated (the ``db_url`` fixture is). The server binds port 0 and reports the
+bound port through ``--port-file`` (no race for a free port). ``start()`` waits until ``/readyz`` answers
+200 (or, with ``wait_leader``, until it says ``leader: true``) and raises with the log tail if the process
+dies or does not become ready in time. Output goes to a log file (never a pipe that could fill up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT = 60.0
+
+
+def make_tokens() -> dict[str, str]:
+    """Fresh bootstrap tokens: operator, viewer and an agent enrollment token (``enroll``)."""
+    return {k: f"kctl_test_{k}_{secrets.token_urlsafe(24)}" for k in ("operator", "viewer", "enroll")}
+
+
+def _use_root_cli() -> bool:
+    # The root `kernelctl` app mounts controller.cli (same commands) but imports every package's CLI
+    # (torch, scipy): seconds per start. Tests run the controller's own entry point unless asked otherwise.
+    return os.environ.get("KERNELCTL_TEST_CLI", "controller") == "root"
+
+
+def serve_command() -> list[str]:
+    """``kernelctl serve`` as a command line (``KERNELCTL_TEST_CLI=root``: through the root app)."""
+    return [*cli_command(), "serve"]
+
+
+def cli_command() -> list[str]:
+    """The ``kernelctl`` command line for CLI tests: ``python -m controller.cli`` (the controller commands as
+    mounted on the root app) or, with ``KERNELCTL_TEST_CLI=root``, ``python -m kernelctl.cli``."""
+    return [sys.executable, "-m", "kernelctl.cli" if _use_root_cli() else "controller.cli"]
+
+
+ZYGOTE_CODE = r"""
+import json, os, signal, sys
+import controller.cli, controller.server, controller.scheduler, controller.tick, controller.ingest  # the slow part
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
+sys.stdout.write("ready\n"); sys.stdout.flush()
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
+        os.environ.clear(); os.environ.update(req["env"])
+        from kernelctl.settings import get_settings
+        get_settings.cache_clear()
+        try:
+            controller.cli.standalone_app()(args=req["argv"], prog_name="kernelctl")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    sys.stdout.write(f"{pid}\n"); sys.stdout.flush()
+"""
+
+
+class Zygote:
+    """A process that has imported the controller once and forks ``kernelctl serve`` processes on demand.
+
+    Each forked child runs exactly the ``serve`` command line (same code, same arguments, same env as a
+    fresh process); only the Python imports are shared. It makes a restart take ~1 s instead of the import
+    time, so crash tests can kill and restart the controller many times. ``stop()`` ends the zygote.
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE_CODE], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"zygote failed to start: {line!r}")
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        return ForkedProcess(int(self.proc.stdout.readline().strip()))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class ForkedProcess:
+    """The Popen subset ControllerProcess uses, for a child of the zygote (not our own child)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -1  # gone (reaped by the zygote: the exact status is not known here)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
+class ControllerProcess:
+    """One ``kernelctl serve`` process on a database; restartable (each start gets a fresh free port)."""
+
+    def __init__(
+        self,
+        db_url: str,
+        workdir: Path,
+        *,
+        tokens: dict[str, str] | None = None,
+        trusted_keys_dir: Path | None = None,
+        tick_seconds: float = 0.5,
+        stale_after_seconds: float = 600.0,
+        heartbeat_seconds: float = 1.0,
+        max_bundle_bytes: int | None = None,
+        extra_env: dict[str, str] | None = None,
+        name: str = "ctl",
+        zygote: Zygote | None = None,
+    ) -> None:
+        self.db_url = db_url
+        self.workdir = Path(workdir) / f"controller-{name}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.tokens = tokens if tokens is not None else make_tokens()
+        self.trusted_keys_dir = trusted_keys_dir
+        self.tick_seconds = tick_seconds
+        self.stale_after_seconds = stale_after_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.max_bundle_bytes = max_bundle_bytes
+        self.extra_env = extra_env or {}
+        self.zygote = zygote
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
+        self.port: int | None = None
+        self.log_path = self.workdir / "server.log"
+        self.tokens_file = self.workdir / "tokens.txt"
+        self._starts = 0
+
+    # -------------------------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("controller is not running")
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELCTL_")}
+        env.update(
+            {
+                "KERNELCTL_DATABASE_URL": self.db_url,
+                "KERNELCTL_DATA_DIR": str(self.workdir / "data"),
+                "KERNELCTL_TICK_SECONDS": str(self.tick_seconds),
+                "KERNELCTL_STALE_AFTER_SECONDS": str(self.stale_after_seconds),
+                "KERNELCTL_HEARTBEAT_SECONDS": str(self.heartbeat_seconds),
+                "KERNELCTL_BOOTSTRAP_TOKENS_FILE": str(self.tokens_file),
+                "KERNELCTL_LOG_LEVEL": "INFO",
+                "PYTHONUNBUFFERED": "1",
+                "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+            }
+        )
+        if self.trusted_keys_dir is not None:
+            env["KERNELCTL_TRUSTED_KEYS_DIR"] = str(self.trusted_keys_dir)
+        if self.max_bundle_bytes is not None:
+            env["KERNELCTL_MAX_BUNDLE_BYTES"] = str(self.max_bundle_bytes)
+        env.update(self.extra_env)
+        return env
+
+    def _write_tokens(self) -> None:
+        roles = {"operator": "operator", "viewer": "viewer", "enroll": "agent"}
+        lines = [f"{roles.get(k, k)} test-{k} {v}" for k, v in self.tokens.items() if k in roles]
+        self.tokens_file.write_text("\n".join(lines) + "\n")
+
+    def start(self, *, wait_leader: bool = False, timeout: float = READY_TIMEOUT) -> ControllerProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("controller already running")
+        self._write_tokens()
+        port_file = self.workdir / "port"
+        port_file.unlink(missing_ok=True)
+        self._starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start #{self._starts} =====\n".encode())
+        args = ["--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
+        if self.zygote is not None:
+            self.proc = self.zygote.spawn(["serve", *args], self.env(), self.log_path)
+        else:
+            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+            self.proc = subprocess.Popen([*serve_command(), *args], cwd=REPO_ROOT, env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            log.close()
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            self._check_alive("before listening")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"controller did not start listening in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text().strip())
+        self.wait_ready(timeout=max(1.0, deadline - time.monotonic()), leader=wait_leader)
+        return self
+
+    def _check_alive(self, when: str) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"controller exited with {self.proc.returncode} {when}:\n{self.log_tail()}")
+
+    def readyz(self) -> dict[str, Any] | None:
+        try:
+            r = httpx.get(self.url + "/readyz", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT, *, leader: bool = False) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive("while waiting for /readyz")
+            body = self.readyz()
+            if body is not None and (body.get("leader") or not leader):
+                return body
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"controller not ready (leader={leader}) in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (graceful) and wait; SIGKILL if it does not exit in ``timeout``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        rc = self.proc.returncode
+        self.proc, self.port = None, None
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL (a crash at an arbitrary instant)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(10)
+        self.proc, self.port = None, None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -------------------------------------------------------------------------------- helpers
+    def client(self, who: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> httpx.Client:
+        """An httpx client on the server with the bearer token of ``who`` (a key of ``tokens``) or ``token``."""
+        tok = token if token is not None else (self.tokens[who] if who else None)
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def __enter__(self) -> ControllerProcess:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------------------------------ test data
+TEST_BUNDLE_NAME = "llm-fused"
+
+
+class TestBundles:
+    """Signed test bundles built with kernelpack.build: ``files[version]`` -> .kpack path."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, root: Path, keys_dir: Path, private_key: Path, files: dict[str, Path]) -> None:
+        self.root, self.keys_dir, self.private_key, self.files = root, keys_dir, private_key, files
+
+    def ref(self, version: str) -> str:
+        return f"{TEST_BUNDLE_NAME}@{version}"
+
+
+def build_test_bundles(root: Path, versions: tuple[str, ...] = ("1.0.0", "1.1.0"),
+                       archs: tuple[str, ...] = ("sm_90",)) -> TestBundles:
+    """Build small real bundles (one fused kernel, compiled ahead of time for ``archs``), signed by a fresh key.
+
+    The AOT compile is cached in kernelpack's default cache, so only the first run of a machine is slow.
+    """
+    import triton
+
+    from kernelpack.build import build_bundle
+    from kernelpack.signing import generate_keypair
+
+    root.mkdir(parents=True, exist_ok=True)
+    key = generate_keypair(root / "keys")
+    trusted = root / "trusted"
+    trusted.mkdir(exist_ok=True)
+    (trusted / key.public_path.name).write_bytes(key.public_path.read_bytes())
+    files: dict[str, Path] = {}
+    for version in versions:
+        src = root / f"src-{version}"
+        src.mkdir(exist_ok=True)
+        arch_list = ", ".join(f'"{a}"' for a in archs)
+        (src / "bundle.toml").write_text(
+            f'schema_version = 1\nname = "{TEST_BUNDLE_NAME}"\nversion = "{version}"\n'
+            f'note = "controller test bundle {version}"\n\n'
+            f'[targets]\narchs = [{arch_list}]\nmin_driver = "535"\ncuda = ["12.x", "13.x"]\n'
+            f'triton = "{triton.__version__}"\ntorch = ">=2.9,<2.15"\n\n'
+            '[traffic]\ndecode_batch_sizes = [1, 8]\nprefill_tokens = [64]\n\n'
+            '[[kernels]]\nop = "bias_gelu"\nsource = "kernelpack.kernels.bias_gelu"\n'
+        )
+        out = root / f"{TEST_BUNDLE_NAME}-{version}.kpack"
+        build_bundle(src, out, key.private_path)
+        files[version] = out
+    return TestBundles(root, trusted, key.private_path, files)
+
+
+def inventory(arch: str = "sm_90", *, driver: str = "550.54.15", triton_version: str = "3.6.0",
+              torch_version: str = "2.13.0", cuda: str = "12.4", labels: dict[str, str] | None = None) -> dict:
+    """A node inventory (wire.Inventory as JSON) posing as a GPU of ``arch``."""
+    return {
+        "gpu_name": f"test {arch}", "compute_capability": "9.0" if arch == "sm_90" else "8.0", "arch": arch,
+        "driver_version": driver, "cuda_version": cuda, "triton_version": triton_version,
+        "torch_version": torch_version, "memory_total_mb": 81920, "labels": labels or {},
+    }
+
+
+def register_node(ctl: ControllerProcess, name: str, **inv: Any) -> httpx.Client:
+    """Register a node with the enrollment token; return a client carrying its node token."""
+    with ctl.client("enroll") as c:
+        r = c.post("/v1/agents/register", json={"node_name": name, "inventory": inventory(**inv)})
+        r.raise_for_status()
+    return ctl.client(token=r.json()["node_token"])
+
+
+def ok_report(key: str, trial: dict[str, Any], *, ratio: float = 1.0) -> dict[str, Any]:
+    """A clean trial report answering a heartbeat's ``trial`` spec (latency ``ratio`` candidate/stable)."""
+    import datetime as dt
+
+    return {
+        "idempotency_key": key, "rollout_id": trial["rollout_id"], "stratum": trial["stratum"],
+        "candidate": trial["candidate"], "stable": trial["stable"], "outcome": "ok",
+        "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(), "duration_s": 0.5,
+        "latency": [{"op": "bias_gelu", "tokens": 8, "stable_s": 1e-4, "candidate_s": 1e-4 * ratio}],
+        "numerics": [{"op": "bias_gelu", "dtype": "fp16", "shape": {"M": 8, "N": 64}, "max_abs_err": 1e-4,
+                      "max_rel_err": 1e-3, "within_tolerance": True}],
+    }

@@ -1,0 +1,181 @@
+"""Validation against a REAL `kernelctl serve` on SQLite and PostgreSQL: NaN/negative figures 422 naming the
+field, unknown node 404, a replayed batch counted once, oversized uploads 413 before being read, health,
+readiness, metrics and OpenAPI."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests import dbutil
+from tests.controller.serverutil import (
+    ControllerProcess,
+    TestBundles,
+    build_test_bundles,
+    ok_report,
+    register_node,
+)
+
+MAX_BUNDLE = 1024 * 1024
+PLAN = {"steps": [{"nodes": 1, "bake_seconds": 3600, "min_samples": 1000, "deadline_seconds": 7200}]}
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
+    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0",))
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+    tmp = tmp_path_factory.mktemp(f"validation-{request.param}")
+    with dbutil.fresh_database(request.param, tmp) as url, \
+            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, max_bundle_bytes=MAX_BUNDLE) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def trial(ctl: ControllerProcess, bundles: TestBundles) -> dict:
+    """A running rollout with one canary node; returns the node's trial spec (and its client in 'node')."""
+    with ctl.client("operator") as op:
+        r = op.post("/v1/bundles", content=bundles.files["1.0.0"].read_bytes())
+        assert r.status_code == 201, r.text
+        node = register_node(ctl, "gpu-val-1")
+        r = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "plan": PLAN, "reason": "validation"})
+        assert r.status_code == 201, r.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the leader's tick begins the rollout and picks the canary
+        hb = node.post("/v1/agents/heartbeat", json={"node_name": "gpu-val-1"}).json()
+        trials = [d["trial"] for d in hb["desired"] if d.get("trial")]
+        if trials:
+            return {**trials[0], "node": node}
+        time.sleep(0.2)
+    raise AssertionError(f"no trial assigned: {hb}")
+
+
+def _post_batch(node: httpx.Client, reports: list[dict], *, raw: str | None = None) -> httpx.Response:
+    if raw is not None:
+        return node.post("/v1/agents/reports", content=raw, headers={"Content-Type": "application/json"})
+    return node.post("/v1/agents/reports", json={"node_name": "gpu-val-1", "reports": reports})
+
+
+def _fields(r: httpx.Response) -> list[str]:
+    assert r.status_code == 422, r.text
+    return [".".join(str(x) for x in e["loc"]) for e in r.json()["detail"]]
+
+
+def test_nan_and_negative_latency_refused_with_field(ctl: ControllerProcess, trial: dict) -> None:
+    node = trial["node"]
+    good = ok_report("val-nan-000001", trial)
+    nan = json.loads(json.dumps(good))
+    nan["latency"][0]["candidate_s"] = "__NAN__"
+    raw = json.dumps({"node_name": "gpu-val-1", "reports": [nan]}).replace('"__NAN__"', "NaN")
+    r = _post_batch(node, [], raw=raw)
+    assert _fields(r) == ["body.reports.0.latency.0.candidate_s"]
+    assert "finite" in r.json()["detail"][0]["msg"]
+    neg = json.loads(json.dumps(good))
+    neg["latency"][0]["stable_s"] = -0.001
+    assert _fields(_post_batch(node, [neg])) == ["body.reports.0.latency.0.stable_s"]
+    absurd = json.loads(json.dumps(good))
+    absurd["peak_memory_bytes"] = 2**60
+    assert _fields(_post_batch(node, [absurd])) == ["body.reports.0.peak_memory_bytes"]
+    inf = json.loads(json.dumps(good))
+    inf["numerics"][0]["max_abs_err"] = "__INF__"
+    raw = json.dumps({"node_name": "gpu-val-1", "reports": [inf]}).replace('"__INF__"', "Infinity")
+    assert _fields(_post_batch(node, [], raw=raw)) == ["body.reports.0.numerics.0.max_abs_err"]
+    # nothing was stored by the refused batches: the good report is still new
+    r = _post_batch(node, [good])
+    assert r.json() == {"accepted": 1, "duplicates": 0}
+
+
+def test_replayed_batch_counted_once(ctl: ControllerProcess, trial: dict) -> None:
+    node = trial["node"]
+    batch = [ok_report(f"val-replay-{i:04d}", trial) for i in range(5)]
+    assert _post_batch(node, batch).json() == {"accepted": 5, "duplicates": 0}
+    assert _post_batch(node, batch).json() == {"accepted": 0, "duplicates": 5}
+    more = [*batch[:2], ok_report("val-replay-new1", trial)]
+    assert _post_batch(node, more).json() == {"accepted": 1, "duplicates": 2}
+    metrics = httpx.get(ctl.url + "/metrics").text
+    assert 'kernelctl_reports_ingested_total{outcome="duplicate"} 7.0' in metrics
+
+
+def test_report_for_unknown_rollout_refused_whole_batch(ctl: ControllerProcess, trial: dict) -> None:
+    node = trial["node"]
+    bad = {**ok_report("val-bad-000002", trial), "rollout_id": 999999}
+    good = ok_report("val-bad-000001", trial)
+    r = _post_batch(node, [good, bad])
+    assert r.status_code == 422 and "rollout 999999 does not exist" in r.json()["detail"]
+    assert _post_batch(node, [good]).json() == {"accepted": 1, "duplicates": 0}  # nothing partially written
+
+
+def test_unknown_node_404(ctl: ControllerProcess, trial: dict) -> None:
+    # a valid node token whose node row does not exist: issue one with `kernelctl token create`
+    import subprocess
+
+    from tests.controller.serverutil import cli_command
+
+    out = subprocess.run([*cli_command(), "token", "create", "--role", "agent", "--node", "ghost-1",
+                          "--db", ctl.db_url], capture_output=True, text=True, timeout=120, check=True)
+    ghost = out.stdout.strip().splitlines()[-1]
+    with ctl.client(token=ghost) as c:
+        r = c.post("/v1/agents/heartbeat", json={"node_name": "ghost-1"})
+        assert r.status_code == 404 and "node ghost-1 is not registered" in r.json()["detail"]
+        r = c.post("/v1/agents/reports", json={"node_name": "ghost-1", "reports": [ok_report("ghost-00001", trial)]})
+        assert r.status_code == 404
+    with ctl.client("operator") as op:
+        assert op.get("/v1/bundles/llm-fused/9.9.9").status_code == 404
+        r = op.get("/v1/rollouts/424242")
+        assert r.status_code == 404 and r.json() == {"detail": "no rollout with id 424242"}
+        assert op.post("/v1/rollouts/424242/pause", json={}).status_code == 404
+
+
+def test_oversized_bundle_413(ctl: ControllerProcess) -> None:
+    with ctl.client("operator") as op:
+        big = b"\0" * (MAX_BUNDLE + 1)
+        r = op.post("/v1/bundles", content=big)
+        assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: refused while streaming
+            for _ in range(64):
+                yield b"\0" * 65536
+
+        r = op.post("/v1/bundles", content=chunks())
+        assert r.status_code == 413
+        assert op.get("/v1/audit", params={"action": "bundle.*"}).json()[-1]["bundle"] == "llm-fused@1.0.0"
+
+
+def test_bad_bundle_and_body_refused(ctl: ControllerProcess, bundles: TestBundles) -> None:
+    with ctl.client("operator") as op:
+        data = bytearray(bundles.files["1.0.0"].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        r = op.post("/v1/bundles", content=bytes(data))
+        assert r.status_code == 422 and r.json()["detail"].startswith("bundle refused")
+        assert op.post("/v1/bundles", content=b"").status_code == 422
+        r = op.post("/v1/rollouts", json={"bundle": "not a ref"})
+        assert _fields(r) == ["body.bundle"]
+        r = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "plan": {"steps": [{"percent": 150}]}})
+        assert _fields(r) == ["body.plan.steps.0.percent"]
+        r = op.post("/v1/rollouts/1/rollback", json={})
+        assert _fields(r) == ["body.reason"]
+        r = op.post("/v1/rollouts", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 422
+
+
+def test_health_ready_metrics_openapi(ctl: ControllerProcess) -> None:
+    assert httpx.get(ctl.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(ctl.url + "/readyz").json()
+    assert ready["ready"] is True and ready["leader"] is True
+    text = httpx.get(ctl.url + "/metrics").text
+    for name in ("kernelctl_leader 1.0", "kernelctl_rollouts{state=", "kernelctl_nodes{arch=",
+                 "kernelctl_rollout_step_age_seconds", "kernelctl_tick_duration_seconds_count",
+                 'kernelctl_http_request_duration_seconds_count{method="GET",route="/v1/rollouts/{rollout_id}"'):
+        assert name in text, name
+    assert "gpu-val-1" not in text  # no per-node labels
+    spec = httpx.get(ctl.url + "/openapi.json").json()
+    for path in ("/v1/agents/register", "/v1/agents/heartbeat", "/v1/agents/reports", "/v1/bundles",
+                 "/v1/bundles/{name}/{version}/content", "/v1/rollouts/{rollout_id}/rollback", "/v1/audit"):
+        assert path in spec["paths"], path
