@@ -1,7 +1,7 @@
 """Statistical judge for canary latency: anytime-valid confidence sequence, Kayenta-style baseline, simulator.
 
 Public entry points: :func:`judge_latency` (the judge the rollout engine calls every tick),
-:func:`judge_mannwhitney` (the Kayenta-style baseline, for comparison only) and ``sim_app`` in
+:func:`controller.judge.mannwhitney.judge_mannwhitney` (the Kayenta-style baseline, for comparison only; imported on demand since it needs scipy) and ``sim_app`` in
 :mod:`controller.judge.cli` (``kernelctl sim judge``).
 """
 
@@ -13,18 +13,15 @@ from controller.judge.latency import (
     default_clip,
     judge_latency,
 )
-from controller.judge.mannwhitney import MannWhitneyVerdict, judge_mannwhitney
 
 __all__ = [
     "DEFAULT_CLIP",
     "DEFAULT_LAMBDA_CAP",
     "DEFAULT_MAX_NODE_SHARE",
     "LatencyVerdict",
-    "MannWhitneyVerdict",
     "balance_by_node",
     "clip_log_ratios",
     "default_clip",
     "eb_confseq",
     "judge_latency",
-    "judge_mannwhitney",
 ]

@@ -12,8 +12,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from controller.judge.sim import SimConfig, parse_regressions, results_rows, simulate
-
 sim_app = typer.Typer(help="Simulators: the statistical judge (and the fleet).", no_args_is_help=True)
 
 
@@ -43,6 +41,8 @@ def judge_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Compare the confidence-sequence judge with a Kayenta-style Mann-Whitney judge on simulated canaries."""
+    from controller.judge.sim import SimConfig, parse_regressions, results_rows, simulate  # numpy, scipy
+
     try:
         regs = parse_regressions(regression)
         cfg = SimConfig(runs=runs, seed=seed, regressions=regs, nodes=nodes, max_samples=max_samples,

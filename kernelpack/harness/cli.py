@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 
 
@@ -54,6 +53,8 @@ def bench_command(
     arch: Annotated[str | None, typer.Option("--arch", help="override the detected arch (sm_XY)")] = None,
 ) -> None:
     """Benchmark every op of a verified bundle on this machine."""
+    import torch
+
     from kernelctl.console import EXIT_REFUSED, EXIT_USAGE, console, fail, print_json
 
     cuda = torch.cuda.is_available()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import mannwhitneyu
 
-from controller.judge import judge_mannwhitney
+from controller.judge.mannwhitney import judge_mannwhitney
 
 
 def test_shifted_candidate_regresses_and_matches_scipy() -> None:
