@@ -1,0 +1,216 @@
+"""What serving code imports: the node's active kernel ops, switched atomically by the agent.
+
+The agent publishes ``active.json`` in the runtime directory (``$KERNELCTL_RUNTIME_DIR``)::
+
+    {"llm-fused": {"version": "1.1.0", "path": "...", "digest": "...",
+                   "stable": {"version": "1.0.0", "path": "...", "digest": "..."}}}
+
+with :func:`publish_active` (read-modify-write under a lock file, write-to-temp + fsync + ``os.replace``), so
+a reader sees either the old or the new document, never a mix. :func:`get_op` re-reads the file when its
+inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
+the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
+changed); loaded versions stay cached by digest so switching back is instant.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kernelpack.errors import BundleError
+
+if TYPE_CHECKING:  # torch/triton are imported on first get_op, so publishing stays light for the agent
+    from kernelpack.loader import BoundOp, LoadedBundle
+
+log = logging.getLogger("kernelpack.runtime")
+
+ACTIVE_FILE = "active.json"
+RUNTIME_DIR_ENV = "KERNELCTL_RUNTIME_DIR"
+TRUSTED_KEYS_ENV = "KERNELCTL_TRUSTED_KEYS_DIR"
+CACHE_DIR_ENV = "KERNELCTL_CACHE_DIR"
+
+
+class ActiveRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ActiveEntry(ActiveRef):
+    stable: ActiveRef | None = None
+
+
+def _ref(obj: ActiveRef | Mapping[str, Any] | None) -> ActiveRef | None:
+    if obj is None or isinstance(obj, ActiveRef):
+        return obj
+    return ActiveRef.model_validate(dict(obj))
+
+
+def read_active(runtime_dir: Path) -> dict[str, ActiveEntry]:
+    """The published document ({} when none has been published yet)."""
+    try:
+        data = (Path(runtime_dir) / ACTIVE_FILE).read_bytes()
+    except FileNotFoundError:
+        return {}
+    raw = json.loads(data)
+    return {name: ActiveEntry.model_validate(v) for name, v in raw.items()}
+
+
+def publish_active(
+    runtime_dir: Path,
+    bundle_name: str,
+    version: str,
+    path: Path | str,
+    digest: str,
+    stable: ActiveRef | Mapping[str, Any] | None = None,
+) -> None:
+    """Atomically set the active (and stable) version of ``bundle_name`` for this node's serving processes."""
+    runtime_dir = Path(runtime_dir)
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        entry = ActiveEntry(version=version, path=str(path), digest=digest, stable=_ref(stable))
+    except ValidationError as exc:
+        raise ValueError(f"invalid active entry for {bundle_name}: {exc.errors()[0]['msg']}") from exc
+    with open(runtime_dir / f"{ACTIVE_FILE}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        doc = {k: v.model_dump(mode="json") for k, v in read_active(runtime_dir).items()}
+        doc[bundle_name] = entry.model_dump(mode="json")
+        fd, tmp = tempfile.mkstemp(dir=runtime_dir, prefix=f".{ACTIVE_FILE}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(doc, sort_keys=True, indent=1).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, runtime_dir / ACTIVE_FILE)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def reference_op(name: str) -> BoundOp:
+    """The installed ``kernelpack.kernels.<name>`` op bound to its PyTorch eager path only."""
+    from kernelpack.kernels.spec import KernelOp
+    from kernelpack.loader import BoundOp
+
+    try:
+        op = importlib.import_module(f"kernelpack.kernels.{name}").OP
+    except (ImportError, AttributeError) as exc:
+        raise LookupError(f"no bundle provides {name} and kernelpack has no reference for it") from exc
+    assert isinstance(op, KernelOp)
+    return BoundOp(name, op, {}, None, "reference", Path(), unsupported="no usable bundle (PyTorch reference)")
+
+
+@dataclass
+class Runtime:
+    """Tracks active.json in ``runtime_dir`` and serves ops from the published bundles."""
+
+    runtime_dir: Path | None
+    trusted_keys: Path | None
+    cache_dir: Path | None = None
+    arch: str | None = None
+    _stamp: tuple[int, int, int] | None = None
+    _active: dict[str, ActiveEntry] = field(default_factory=dict)
+    _loaded: dict[str, LoadedBundle] = field(default_factory=dict)  # by digest
+    _failed: dict[str, str] = field(default_factory=dict)  # digest -> reason
+    _refs: dict[str, BoundOp] = field(default_factory=dict)  # op -> reference-only op
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    reason: dict[str, str] = field(default_factory=dict)  # bundle -> why it is not on the active version
+
+    def _refresh(self) -> None:
+        if self.runtime_dir is None:
+            return
+        try:
+            st = os.stat(self.runtime_dir / ACTIVE_FILE)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._stamp:
+            return
+        try:
+            active = read_active(self.runtime_dir)
+        except (OSError, ValueError) as exc:  # unreadable document: keep serving what we had
+            log.error("cannot read %s: %s; keeping the previous versions", ACTIVE_FILE, exc)
+            return
+        self._active, self._stamp = active, stamp
+
+    def _load(self, ref: ActiveRef) -> LoadedBundle | None:
+        hit = self._loaded.get(ref.digest)
+        if hit is not None:
+            return hit
+        if ref.digest in self._failed:
+            return None
+        if self.trusted_keys is None:
+            self._failed[ref.digest] = f"{TRUSTED_KEYS_ENV} is not set: bundles cannot be verified"
+            log.error("cannot load %s: %s", ref.path, self._failed[ref.digest])
+            return None
+        from kernelpack.loader import load_bundle
+
+        try:
+            lb = load_bundle(Path(ref.path), self.trusted_keys, arch=self.arch, cache_dir=self.cache_dir,
+                             digest=ref.digest)
+        except (BundleError, OSError) as exc:
+            self._failed[ref.digest] = str(exc)
+            log.error("cannot load bundle %s (%s): %s", ref.version, ref.path, exc)
+            return None
+        self._loaded[ref.digest] = lb
+        return lb
+
+    def get_op(self, name: str, bundle: str = "llm-fused") -> BoundOp:
+        with self._lock:
+            self._refresh()
+            entry = self._active.get(bundle)
+            if entry is None:
+                why = f"no active version of {bundle} published"
+            else:
+                lb = self._load(entry)
+                if lb is not None and name in lb.ops:
+                    self.reason.pop(bundle, None)
+                    return lb.ops[name]
+                why = f"active {bundle}@{entry.version} unusable: " + (
+                    self._failed.get(entry.digest) or f"it has no op {name}")
+                if entry.stable is not None:
+                    sb = self._load(entry.stable)
+                    if sb is not None and name in sb.ops:
+                        self._note(bundle, f"{why}; serving stable {entry.stable.version}")
+                        return sb.ops[name]
+            self._note(bundle, f"{why}; serving the PyTorch reference for {name}")
+            if name not in self._refs:
+                self._refs[name] = reference_op(name)
+            return self._refs[name]
+
+    def _note(self, bundle: str, why: str) -> None:
+        if self.reason.get(bundle) != why:
+            log.warning("%s", why)
+        self.reason[bundle] = why
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def default_runtime() -> Runtime:
+    """The process-wide runtime configured from ``KERNELCTL_RUNTIME_DIR`` / ``KERNELCTL_TRUSTED_KEYS_DIR``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            rd, tk, cd = (os.environ.get(k) for k in (RUNTIME_DIR_ENV, TRUSTED_KEYS_ENV, CACHE_DIR_ENV))
+            _default = Runtime(Path(rd) if rd else None, Path(tk) if tk else None, Path(cd) if cd else None)
+        return _default
+
+
+def get_op(name: str, bundle: str = "llm-fused") -> BoundOp:
+    """The op ``name`` of the node's active ``bundle`` version (see module docstring for fallbacks)."""
+    return default_runtime().get_op(name, bundle)

@@ -1,0 +1,144 @@
+"""Manifest schema: the shipped bundle sources validate; bad sources are refused with a clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kernelpack.errors import ManifestError
+from kernelpack.manifest import BundleSource, canonical_json, is_prerelease, load_source, parse_manifest
+from tests.kernelpack.bundle_fixtures import BUNDLES, FAULTS, SHIPPED
+
+BASE = tomllib.loads((BUNDLES / "1.0.0" / "bundle.toml").read_text())
+
+
+def write(tmp_path: Path, doc: dict) -> Path:
+    lines = []
+
+    def emit(prefix: str, d: dict) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict | list) or
+                   (isinstance(v, list) and not (v and isinstance(v[0], dict)))}
+        for k, v in scalars.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        for k, v in d.items():
+            if isinstance(v, dict):
+                lines.append(f"[{prefix}{k}]")
+                emit(f"{prefix}{k}.", v)
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
+                for item in v:
+                    lines.append(f"[[{prefix}{k}]]")
+                    for ik, iv in item.items():
+                        if isinstance(iv, dict):
+                            inner = ", ".join(
+                                f"{a} = {{ {', '.join(f'{x} = {json.dumps(y)}' for x, y in b.items())} }}"
+                                for a, b in iv.items())
+                            lines.append(f"{ik} = {{ {inner} }}")
+                        else:
+                            lines.append(f"{ik} = {json.dumps(iv)}")
+
+    emit("", doc)
+    (tmp_path / "bundle.toml").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("version", SHIPPED)
+def test_shipped_sources_validate(version: str) -> None:
+    src = load_source(BUNDLES / version)
+    assert src.version == version
+    assert src.targets.archs == ["sm_80", "sm_89", "sm_90"]
+    assert src.targets.triton == "3.6.0"
+    assert src.traffic.decode_batch_sizes == [1, 8, 32, 64, 128, 256]
+    assert src.traffic.prefill_tokens == [2048, 8192, 16384]
+
+
+def test_1_1_0_has_arch_specific_configs_and_parent() -> None:
+    v10, v11 = load_source(BUNDLES / "1.0.0"), load_source(BUNDLES / "1.1.0")
+    assert v11.parent == "1.0.0" and v10.parent is None
+    assert [k.op for k in v10.kernels] == [k.op for k in v11.kernels]
+    tuned = [k for k in v11.kernels if set(k.configs) >= set(k.built_for(v11.targets))]
+    assert len(tuned) >= len(v11.kernels) - 1  # every op tuned per arch (flash_attn may keep defaults)
+    fp8 = next(k for k in v11.kernels if k.op == "fp8_quant")
+    assert fp8.built_for(v11.targets) == ["sm_89", "sm_90"]
+    assert any(k.config_for("sm_90") != k.config_for("sm_80") for k in v11.kernels)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_fixtures_are_labelled_and_differ_only_in_add_rmsnorm(fault: str) -> None:
+    v11 = load_source(BUNDLES / "1.1.0")
+    f = load_source(BUNDLES / f"1.2.0-fault.{fault}")
+    assert f.fault_fixture and "FAULT FIXTURE" in f.fault_fixture
+    assert is_prerelease(f.version) and f.parent == "1.1.0"
+    assert f.targets == v11.targets and f.traffic == v11.traffic
+    for a, b in zip(v11.kernels, f.kernels, strict=True):
+        if a.op == "add_rmsnorm":
+            assert b.source == f"kernels/add_rmsnorm_{fault}.py"
+            assert (BUNDLES / f"1.2.0-fault.{fault}" / b.source).is_file()
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(version="1.0"), "not a semantic version"),
+        (lambda d: d.update(version="01.0.0"), "not a semantic version"),
+        (lambda d: d.update(colour="red"), "colour: Extra inputs are not permitted"),
+        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d.update(fault_fixture="breaks things"), "prerelease version"),
+        (lambda d: d.update(parent="1.0.0"), "must differ from version"),
+        (lambda d: d["targets"].update(archs=["sm90"]), "sm_XY"),
+        (lambda d: d["targets"].update(torch="2.9 or so"), "not a version specifier"),
+        (lambda d: d["targets"].update(cuda=["twelve"]), "CUDA version"),
+        (lambda d: d["traffic"].update(decode_batch_sizes=[8, 1]), "strictly increasing"),
+        (lambda d: d["kernels"].append(dict(d["kernels"][0])), "same op twice"),
+        (lambda d: d["kernels"][0].update(source="../evil.py"), "must be 'kernelpack.kernels.<module>'"),
+        (lambda d: d["kernels"][0].update(source="os.system"), "must be 'kernelpack.kernels.<module>'"),
+        (lambda d: d["kernels"][0].update(configs={"sm_90": {}}), "'default' entry"),
+        (lambda d: d["kernels"][0].update(configs={"default": {}, "sm_75": {"num_warps": 4}}), "not a target"),
+        (lambda d: d["kernels"][0].update(entry="MAIN"), "entry"),
+        (lambda d: d["kernels"][0].update(archs=["sm_75"]), "arch sm_75 is not a target arch"),
+        (lambda d: d["kernels"][0].update(archs=[]), "non-empty list"),
+    ],
+)
+def test_bad_sources_are_refused_with_a_clear_message(tmp_path: Path, mutate, message: str) -> None:
+    doc = json.loads(json.dumps(BASE))
+    mutate(doc)
+    write(tmp_path, doc)
+    with pytest.raises(ManifestError) as ei:
+        load_source(tmp_path)
+    assert message in str(ei.value)
+    assert str(tmp_path / "bundle.toml") in str(ei.value)
+
+
+def test_prerelease_version_and_round_trip(tmp_path: Path) -> None:
+    doc = json.loads(json.dumps(BASE))
+    doc.update(version="2.0.0-rc.1+build.5", fault_fixture="demo fault")
+    src = load_source(write(tmp_path, doc))
+    assert src.version == "2.0.0-rc.1+build.5"
+    assert BundleSource.model_validate(src.model_dump()) == src
+
+
+def test_unreadable_sources(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="no such file"):
+        load_source(tmp_path)
+    (tmp_path / "bundle.toml").write_text("name = [unclosed")
+    with pytest.raises(ManifestError, match="not valid TOML"):
+        load_source(tmp_path)
+
+
+def test_canonical_json_is_stable() -> None:
+    assert canonical_json({"b": 1, "a": [1, 2], "c": {"z": 1.5, "y": None}}) == (
+        b'{"a":[1,2],"b":1,"c":{"y":null,"z":1.5}}'
+    )
+
+
+def test_parse_manifest_refuses_garbage_and_non_canonical() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        parse_manifest(b"{nope")
+    with pytest.raises(ManifestError, match="JSON object"):
+        parse_manifest(b"[]")
+    with pytest.raises(ManifestError, match="schema_version"):
+        parse_manifest(b'{"name":"x"}')
