@@ -1,0 +1,262 @@
+"""HTTP client of the agent: register, heartbeat, bundle download, report batches (httpx + tenacity).
+
+Retries (exponential backoff with jitter, tenacity) only on connect errors and 5xx answers; any other
+error is raised at once as :class:`ControllerError` with the controller's ``detail``. The node token the
+controller hands out at registration is persisted (mode 0600, atomic write) in the cache dir and used from
+then on; the enrollment token is only needed again if the controller no longer knows the node token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from kernelctl.wire import (
+    API_PREFIX,
+    BundleRef,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ReportBatch,
+    ReportBatchResponse,
+    TrialReport,
+)
+
+log = logging.getLogger("kernelctl.agent.client")
+
+T = TypeVar("T", bound=BaseModel)
+DIGEST_HEADER = "X-Kernelctl-Digest"
+
+
+class ControllerError(Exception):
+    """The controller answered with an error (status and its ``detail``), or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Unreachable(ControllerError):
+    """Connect errors / 5xx persisted through every retry."""
+
+
+class DownloadError(ControllerError):
+    """A bundle download was cut short, too large, or its digest differs from the one asked for."""
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return True
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
+
+
+def _backoff(initial: float, maximum: float) -> Any:
+    """Exponential backoff from ``initial`` doubling up to ``maximum``, plus up to ``initial`` of jitter."""
+    params = inspect.signature(wait_exponential_jitter.__init__).parameters
+    start = {"multiplier": initial} if "multiplier" in params else {"initial": initial}  # tenacity >= 9.1
+    return wait_exponential_jitter(**start, max=maximum, jitter=initial)
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict) and "detail" in body:
+        d = body["detail"]
+        return d if isinstance(d, str) else json.dumps(d)[:1000]
+    return json.dumps(body)[:500]
+
+
+class TokenStore:
+    """The node token on disk: ``<dir>/node-token.json`` (0600) keyed by controller URL and node name."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / "node-token.json"
+
+    def load(self, controller_url: str, node_name: str) -> str | None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if doc.get("controller_url") == controller_url and doc.get("node_name") == node_name:
+            tok = doc.get("token")
+            return tok if isinstance(tok, str) and tok else None
+        return None
+
+    def save(self, controller_url: str, node_name: str, token: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".node-token.")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"controller_url": controller_url, "node_name": node_name, "token": token}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class ControllerClient:
+    """Talks to one controller on behalf of one node."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = 10.0,
+        max_attempts: int = 5,
+        max_retry_seconds: float = 30.0,
+        backoff_initial: float = 0.2,
+        backoff_max: float = 5.0,
+        stop_event: threading.Event | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self._stop = stop_event or threading.Event()
+        self._retry_kwargs: dict[str, Any] = {
+            "retry": retry_if_exception(_retryable),
+            "wait": _backoff(backoff_initial, backoff_max),
+            "stop": stop_after_attempt(max_attempts) | stop_after_delay(max_retry_seconds) | self._stopped,
+            "sleep": self._sleep,
+            "reraise": True,
+            "before_sleep": self._log_retry,
+        }
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    # tenacity hooks -------------------------------------------------------------------------------
+    def _stopped(self, retry_state: Any) -> bool:
+        return self._stop.is_set()
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)  # interruptible by shutdown
+
+    @staticmethod
+    def _log_retry(retry_state: Any) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        log.info("controller call failed (%s); retry %d", exc, retry_state.attempt_number)
+
+    def close(self) -> None:
+        self._http.close()
+
+    # request plumbing -----------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def _call(self, fn: Callable[[], httpx.Response]) -> httpx.Response:
+        def attempt() -> httpx.Response:
+            resp = fn()
+            if resp.status_code >= 500:
+                resp.raise_for_status()
+            return resp
+
+        try:
+            resp = Retrying(**self._retry_kwargs)(attempt)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise Unreachable(f"controller {self.base_url} unreachable: {exc}") from exc
+        except httpx.HTTPStatusError as exc:
+            raise Unreachable(
+                f"controller {self.base_url} answered {exc.response.status_code}: {_detail(exc.response)}",
+                exc.response.status_code,
+            ) from exc
+        except RetryError as exc:  # pragma: no cover - reraise=True normally unwraps
+            raise Unreachable(f"controller {self.base_url}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise ControllerError(f"request to {self.base_url} failed: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise ControllerError(
+                f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {_detail(resp)}",
+                resp.status_code,
+            )
+        return resp
+
+    def _post(self, path: str, body: BaseModel, model: type[T]) -> T:
+        payload = body.model_dump_json().encode()
+        headers = {**self._headers(), "Content-Type": "application/json"}
+        resp = self._call(lambda: self._http.post(API_PREFIX + path, content=payload, headers=headers))
+        return model.model_validate_json(resp.content)
+
+    # API ---------------------------------------------------------------------------------------------
+    def register(self, request: RegisterRequest) -> RegisterResponse:
+        """Register (or re-register) the node; afterwards this client uses the node token."""
+        reply = self._post("/agents/register", request, RegisterResponse)
+        self.token = reply.node_token
+        return reply
+
+    def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
+        return self._post("/agents/heartbeat", request, HeartbeatResponse)
+
+    def send_reports(self, node_name: str, reports: list[TrialReport]) -> ReportBatchResponse:
+        return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=reports), ReportBatchResponse)
+
+    def download_bundle(self, ref: BundleRef, dest_dir: Path, max_bytes: int) -> Path:
+        """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.
+
+        The caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
+        """
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        url = f"{API_PREFIX}/bundles/{ref.name}/{ref.version}/content"
+
+        def fetch() -> httpx.Response:
+            fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
+            sha = hashlib.sha256()
+            size = 0
+            try:
+                with os.fdopen(fd, "wb") as f, self._http.stream("GET", url, headers=self._headers()) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        Path(tmp).unlink(missing_ok=True)
+                        return resp
+                    for chunk in resp.iter_bytes(1 << 16):
+                        size += len(chunk)
+                        if size > max_bytes:
+                            raise DownloadError(
+                                f"bundle {ref.name}@{ref.version} is larger than the cap of {max_bytes} bytes"
+                            )
+                        sha.update(chunk)
+                        f.write(chunk)
+                    resp.extensions["kctl_path"] = tmp
+                    resp.extensions["kctl_sha"] = sha.hexdigest()
+                    return resp
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+
+        resp = self._call(fetch)
+        tmp = Path(resp.extensions["kctl_path"])
+        got = resp.extensions["kctl_sha"]
+        header = resp.headers.get(DIGEST_HEADER)
+        if got != ref.digest or (header is not None and header != ref.digest):
+            tmp.unlink(missing_ok=True)
+            raise DownloadError(
+                f"bundle {ref.name}@{ref.version}: downloaded bytes have sha256 {got}, expected {ref.digest}"
+                + (f" (controller says {header})" if header and header != ref.digest else "")
+            )
+        return tmp

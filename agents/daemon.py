@@ -1,0 +1,487 @@
+"""The agent's main loop: register, heartbeat, apply the desired state, run trials, flush the outbox.
+
+One main thread heartbeats every ``heartbeat_seconds`` (it blocks in ``Event.wait`` in between: no busy
+loop), downloads + verifies + stages missing versions, switches the published active version atomically (a
+rollback is a switch to the staged stable, at once) and flushes the report outbox. Trials run one at a time
+in a helper thread that owns the trial child; the duty cycle and the memory headroom are checked before a
+trial starts. SIGTERM (``request_stop``) kills a running trial's process group, keeps the outbox and ends
+the loop; a restarted agent resumes from its cache dir (node token, outbox, staged bundles, last trial).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents.cache import BundleCache, BundleRefused
+from agents.client import ControllerClient, ControllerError, DownloadError, TokenStore, Unreachable
+from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
+from agents.metrics import AgentMetrics
+from agents.outbox import Outbox, new_idempotency_key
+from agents.trial import TrialAborted, TrialConfig, TrialRunner
+from agents.trial_protocol import TrafficProfile
+from kernelctl.wire import (
+    BundleRef,
+    DesiredBundle,
+    HeartbeatRequest,
+    RegisterRequest,
+    TrialReport,
+    TrialSpec,
+)
+
+log = logging.getLogger("kernelctl.agent")
+
+REFUSAL_RETRY_S = 300.0  # a refused download is tried again after this long (a fixed upload gets through)
+REGISTER_RETRY_S = 5.0
+# while the controller is unreachable, trials of the last desired state go on for this long (then stop: a
+# rollback may have happened meanwhile)
+DESIRED_STATE_TTL_S = 600.0
+
+
+class AgentFatal(Exception):
+    """The agent cannot continue (e.g. its token is refused); the CLI exits non-zero with this message."""
+
+
+@dataclass
+class AgentConfig:
+    controller_url: str
+    token: str
+    node_name: str
+    cache_dir: Path
+    runtime_dir: Path
+    trusted_keys_dir: Path
+    profile: TrafficProfile | None = None
+    inventory_overrides: Path | None = None
+    metrics_port: int = 0
+    metrics_addr: str = "0.0.0.0"
+    duty_cycle: float = 0.1
+    memory_headroom: float = 0.2
+    trial_timeout_s: float = 600.0
+    max_bundle_bytes: int = 64 * 1024 * 1024
+    heartbeat_seconds: float = 5.0  # until the controller says otherwise
+    http_timeout_s: float = 10.0
+    trial_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _RunningTrial:
+    spec: TrialSpec
+    thread: threading.Thread
+
+
+def _pid_is_trial_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"agents.trial_worker" in cmdline
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.stop_event = threading.Event()
+        self._wake = threading.Event()
+        self.metrics = AgentMetrics()
+        self.node: NodeInventory | None = None
+        self.outbox: Outbox | None = None
+        self.cache: BundleCache | None = None
+        self.client: ControllerClient | None = None
+        self.runner: TrialRunner | None = None
+        self.heartbeat_seconds = cfg.heartbeat_seconds
+        self.desired: list[DesiredBundle] = []
+        self.active: dict[str, BundleRef] = {}
+        self.stable: dict[str, BundleRef] = {}
+        self.refused: dict[str, tuple[float, str]] = {}  # digest -> (when, reason)
+        self._trial: _RunningTrial | None = None
+        self._lock = threading.Lock()
+        self.metrics_port: int | None = None
+        self._last_heartbeat_ok = -1e18
+
+    # ------------------------------------------------------------------------------------ control
+    def request_stop(self, *_: object) -> None:
+        """Ask the agent to stop (signal-safe): ends a running trial, keeps the outbox."""
+        self.stop_event.set()
+        self._wake.set()
+        if self.runner is not None:
+            self.runner.abort()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    # ---------------------------------------------------------------------------------------- run
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.node = collect_inventory(cfg.inventory_overrides)
+        cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.cache_dir, 0o700)
+        self.outbox = Outbox(cfg.cache_dir / "outbox.db")
+        self.cache = BundleCache(cfg.cache_dir, cfg.trusted_keys_dir)
+        self._reap_stale_child()
+        self.active = {k: BundleRef(**v) for k, v in (self.outbox.get_state("active") or {}).items()}
+        self.stable = {k: BundleRef(**v) for k, v in (self.outbox.get_state("stable") or {}).items()}
+        self.runner = TrialRunner(TrialConfig(
+            node=self.node, trusted_keys_dir=cfg.trusted_keys_dir, loader_cache_dir=self.cache.loader_dir,
+            work_root=cfg.cache_dir / "trials", timeout_s=cfg.trial_timeout_s, profile=cfg.profile,
+            extra_env=dict(cfg.trial_env),
+        ))
+        self.metrics.outbox_depth.set(self.outbox.depth())
+        self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+
+    def _reap_stale_child(self) -> None:
+        """Kill a trial child left by a previous agent process that died (SIGKILL) mid-trial."""
+        assert self.outbox is not None
+        st = self.outbox.get_state("trial_child")
+        if st and isinstance(st.get("pid"), int) and _pid_is_trial_worker(st["pid"]):
+            log.warning("killing trial child %d left by a previous agent run", st["pid"])
+            with contextlib.suppress(OSError):
+                os.killpg(st["pid"], signal.SIGKILL)
+        if st:
+            log.info("the previous agent run was interrupted mid-trial (rollout %s); it will be run again",
+                     st.get("rollout_id"))
+        self.outbox.set_state("trial_child", None)
+
+    def run(self) -> int:
+        """Run until stopped; returns the process exit code (0 on a requested stop)."""
+        try:
+            self.setup()
+            self._register()
+            while not self.stop_event.is_set():
+                self.tick()
+                self._wake.wait(self.heartbeat_seconds)
+                self._wake.clear()
+            return 0
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        if self.runner is not None:
+            self.runner.abort()
+        t = self._trial
+        if t is not None:
+            t.thread.join(timeout=30)
+        if self.client is not None:
+            self.client.close()
+        self.metrics.close()
+        if self.outbox is not None:
+            self.outbox.close()
+            self.outbox = None
+
+    # ------------------------------------------------------------------------------- registration
+    def _register(self) -> None:
+        cfg, node = self.cfg, self.node
+        assert node is not None
+        store = TokenStore(cfg.cache_dir)
+        saved = store.load(cfg.controller_url, cfg.node_name)
+        candidates = [t for t in (saved, cfg.token) if t]
+        if not candidates:
+            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
+        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory)
+        while not self.stop_event.is_set():
+            last: ControllerError | None = None
+            for token in candidates:
+                client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
+                                          stop_event=self.stop_event)
+                try:
+                    reply = client.register(req)
+                except Unreachable as exc:
+                    client.close()
+                    last = exc
+                    break
+                except ControllerError as exc:
+                    client.close()
+                    last = exc
+                    if exc.status in (401, 403) and token is saved:
+                        log.warning("saved node token refused (%s); registering with the enrollment token", exc)
+                        continue
+                    raise AgentFatal(f"registration refused: {exc}") from exc
+                store.save(cfg.controller_url, cfg.node_name, reply.node_token)
+                self.client = client
+                self.heartbeat_seconds = reply.heartbeat_seconds
+                log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
+                         reply.heartbeat_seconds)
+                return
+            if isinstance(last, ControllerError) and not isinstance(last, Unreachable):
+                raise AgentFatal(f"registration refused: {last}")
+            log.warning("controller unreachable (%s); retrying registration in %.0fs", last, REGISTER_RETRY_S)
+            self.stop_event.wait(REGISTER_RETRY_S)
+
+    # --------------------------------------------------------------------------------------- tick
+    def tick(self) -> None:
+        """One heartbeat round: heartbeat, apply desired state, maybe start a trial, flush reports."""
+        assert self.client is not None
+        try:
+            reply = self.client.heartbeat(self._heartbeat_request())
+        except ControllerError as exc:
+            self.metrics.heartbeat_failures.inc()
+            log.warning("heartbeat failed: %s", exc)
+            if exc.status == 401 and not self.stop_event.is_set():
+                self.client.close()
+                self.client = None
+                self._register()
+            self._flush()
+            if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
+                self._maybe_trial()  # keep measuring what was asked; reports wait in the outbox
+            return
+        self._last_heartbeat_ok = time.monotonic()
+        self.heartbeat_seconds = reply.heartbeat_seconds
+        self.desired = list(reply.desired)
+        self._apply(self.desired)
+        self._flush()
+        self._maybe_trial()
+
+    def _heartbeat_request(self) -> HeartbeatRequest:
+        staged, seen = [], set()
+        assert self.cache is not None
+        for d in self.desired:
+            for ref in self._refs(d):
+                if ref.digest not in seen and self.cache.has(ref):
+                    seen.add(ref.digest)
+                    staged.append(ref)
+        return HeartbeatRequest(
+            node_name=self.cfg.node_name, staged=staged[:64], active=list(self.active.values())[:64],
+            trial_running=self._trial is not None,
+        )
+
+    @staticmethod
+    def _refs(d: DesiredBundle) -> list[BundleRef]:
+        refs = [d.active]
+        if d.stable is not None:
+            refs.append(d.stable)
+        if d.trial is not None:
+            refs.append(d.trial.candidate)
+            if d.trial.stable is not None:
+                refs.append(d.trial.stable)
+        return refs
+
+    # ------------------------------------------------------------------------------ desired state
+    def _ensure(self, ref: BundleRef, trial: TrialSpec | None) -> bool:
+        """Make ``ref`` staged (download + verify) if it is not; False when it is not available."""
+        assert self.cache is not None and self.client is not None
+        if self.cache.has(ref):
+            return True
+        refused = self.refused.get(ref.digest)
+        if refused is not None and time.monotonic() - refused[0] < REFUSAL_RETRY_S:
+            return False
+        try:
+            tmp = self.client.download_bundle(ref, self.cache.downloads, self.cfg.max_bundle_bytes)
+            self.cache.install(tmp, ref)
+            self.refused.pop(ref.digest, None)
+            return True
+        except (BundleRefused, DownloadError) as exc:
+            reason = exc.reason if isinstance(exc, BundleRefused) else str(exc)
+            self.refused[ref.digest] = (time.monotonic(), reason)
+            self.metrics.bundles_refused.inc()
+            log.error("bundle %s@%s refused: %s", ref.name, ref.version, reason)
+            if trial is not None and ref.digest in (trial.candidate.digest,):
+                self._report_load_error(trial, f"candidate download refused: {reason}")
+            return False
+        except ControllerError as exc:
+            log.warning("download of %s@%s failed: %s", ref.name, ref.version, exc)
+            return False
+
+    def _report_load_error(self, trial: TrialSpec, detail: str) -> None:
+        assert self.outbox is not None
+        import datetime as dt
+
+        done = self.outbox.get_state("load_error_reported") or []
+        mark = f"{trial.rollout_id}:{trial.candidate.digest}"
+        if mark in done:
+            return
+        report = TrialReport(
+            idempotency_key=new_idempotency_key(self.cfg.node_name), rollout_id=trial.rollout_id,
+            stratum=trial.stratum, candidate=trial.candidate, stable=trial.stable, outcome="load_error",
+            measured_at=dt.datetime.now(dt.timezone.utc), detail=detail[:8192],
+        )
+        self.outbox.add(report)
+        self.outbox.set_state("load_error_reported", [*done[-99:], mark])
+        self.metrics.trials.labels("load_error").inc()
+        self.metrics.outbox_depth.set(self.outbox.depth())
+
+    def _apply(self, desired: list[DesiredBundle]) -> None:
+        assert self.cache is not None and self.outbox is not None
+        new_active = dict(self.active)
+        new_stable = dict(self.stable)
+        for d in desired:
+            if d.stable is not None:
+                self._ensure(d.stable, None)
+            if self._ensure(d.active, d.trial if d.trial and d.trial.candidate == d.active else None):
+                new_active[d.name] = d.active
+            elif d.stable is not None and self.cache.has(d.stable):
+                new_active[d.name] = d.stable  # the desired active is unavailable: serve the stable version
+            if d.stable is not None and self.cache.has(d.stable):
+                new_stable[d.name] = d.stable
+            if d.trial is not None:
+                self._ensure(d.trial.candidate, d.trial)
+                if d.trial.stable is not None:
+                    self._ensure(d.trial.stable, None)
+        wanted = {d.name for d in desired}
+        for name in sorted(set(new_active) - wanted):
+            if name in new_stable and self.cache.has(new_stable[name]) and new_active[name] != new_stable[name]:
+                log.warning("%s is no longer desired: falling back to its stable %s", name, new_stable[name].version)
+                new_active[name] = new_stable[name]
+            elif name not in new_stable:
+                self._withdraw(name)
+                new_active.pop(name)
+        if new_active != self.active or new_stable != self.stable:
+            for name, ref in new_active.items():
+                old = self.active.get(name)
+                if old != ref:
+                    log.info("switching %s: %s -> %s", name, old.version if old else "-", ref.version)
+            self.cache.publish(self.cfg.runtime_dir, new_active, new_stable)
+            self.active, self.stable = new_active, new_stable
+            self.outbox.set_state("active", {k: v.model_dump() for k, v in new_active.items()})
+            self.outbox.set_state("stable", {k: v.model_dump() for k, v in new_stable.items()})
+        # a running trial whose candidate was withdrawn (rolled back, superseded) is stopped
+        t = self._trial
+        if t is not None:
+            still = any(d.trial is not None and d.trial.rollout_id == t.spec.rollout_id
+                        and d.trial.candidate == t.spec.candidate for d in desired)
+            if not still and self.runner is not None:
+                log.info("candidate %s@%s withdrawn: stopping its trial", t.spec.candidate.name,
+                         t.spec.candidate.version)
+                self.runner.abort()
+        keep = {r.digest for d in desired for r in self._refs(d)}
+        keep |= {r.digest for r in self.active.values()} | {r.digest for r in self.stable.values()}
+        if t is not None:
+            keep |= {r.digest for r in (t.spec.candidate, t.spec.stable) if r is not None}
+        if desired:
+            self.cache.gc(keep)
+
+    def _withdraw(self, name: str) -> None:
+        """No version of ``name`` is desired and none is stable (a first rollout rolled back)."""
+        assert self.cache is not None
+        if self.cache.unpublish(self.cfg.runtime_dir, name):
+            log.warning("%s withdrawn: serving code falls back to the PyTorch reference", name)
+        else:
+            log.error("%s withdrawn but kernelpack.runtime cannot unpublish it: active.json still names %s",
+                      name, self.active[name].version)
+
+    # ---------------------------------------------------------------------------------------- trials
+    def _next_trial_at(self, spec: TrialSpec) -> float:
+        assert self.outbox is not None
+        last = self.outbox.get_state("last_trial")
+        if not last:
+            return 0.0
+        gap = max(spec.interval_seconds, last["duration"] * (1.0 / self.cfg.duty_cycle - 1.0))
+        return float(last["end"]) + gap
+
+    def _maybe_trial(self) -> None:
+        if self._trial is not None or self.stop_event.is_set():
+            return
+        assert self.cache is not None and self.node is not None
+        for d in self.desired:
+            spec = d.trial
+            if spec is None or spec.candidate.digest in self.refused:
+                continue
+            if not self.cache.has(spec.candidate) or (spec.stable is not None and not self.cache.has(spec.stable)):
+                continue
+            wait = self._next_trial_at(spec) - time.time()
+            if wait > 0:
+                log.debug("next trial in %.1fs (duty cycle %.2f)", wait, self.cfg.duty_cycle)
+                return
+            free = memory_free_fraction(self.node.has_gpu)
+            if free is not None and free < self.cfg.memory_headroom:
+                self.metrics.trials_skipped.labels("memory_headroom").inc()
+                log.warning("trial postponed: %.0f%% memory free, headroom %.0f%% required", 100 * free,
+                            100 * self.cfg.memory_headroom)
+                return
+            assert self.runner is not None
+            self.runner.reset()
+            if self.stop_event.is_set():
+                return
+            thread = threading.Thread(target=self._trial_main, args=(spec,), name="trial", daemon=True)
+            self._trial = _RunningTrial(spec, thread)
+            thread.start()
+            return
+
+    def _trial_main(self, spec: TrialSpec) -> None:
+        assert self.runner is not None and self.cache is not None and self.outbox is not None
+        outbox = self.outbox
+        started = time.time()
+        self.metrics.trial_running.set(1)
+
+        def on_start(pid: int) -> None:
+            outbox.set_state("trial_child", {"pid": pid, "rollout_id": spec.rollout_id, "started": started})
+
+        try:
+            try:
+                cand = self.cache.reverify(spec.candidate)
+                stable = self.cache.reverify(spec.stable) if spec.stable is not None else None
+            except BundleRefused as exc:
+                self.refused[exc.ref.digest] = (time.monotonic(), exc.reason)
+                if exc.ref == spec.candidate:
+                    self._report_load_error(spec, str(exc))
+                return
+            log.info("trial of %s@%s vs %s (rollout %d) started", spec.candidate.name, spec.candidate.version,
+                     spec.stable.version if spec.stable else "-", spec.rollout_id)
+            report = self.runner.run(spec, idempotency_key=new_idempotency_key(self.cfg.node_name),
+                                     candidate_path=cand, stable_path=stable, on_start=on_start)
+            outbox.add(report)
+            outbox.set_state("last_trial", {"end": time.time(), "duration": time.time() - started})
+            self.metrics.trials.labels(report.outcome).inc()
+            self.metrics.trial_duration.observe(report.duration_s)
+            self.metrics.outbox_depth.set(outbox.depth())
+            log.info("trial of %s@%s finished: %s in %.1fs", spec.candidate.name, spec.candidate.version,
+                     report.outcome, report.duration_s)
+            if report.outcome != "ok":
+                log.warning("trial detail: %s", report.detail[:2000])
+        except TrialAborted:
+            log.info("trial of %s@%s aborted", spec.candidate.name, spec.candidate.version)
+        except Exception:
+            log.exception("trial of %s@%s failed in the agent", spec.candidate.name, spec.candidate.version)
+            outbox.set_state("last_trial", {"end": time.time(), "duration": time.time() - started})
+        finally:
+            if not self.stop_event.is_set():
+                outbox.set_state("trial_child", None)
+            self.metrics.trial_running.set(0)
+            self._trial = None
+            self._wake.set()  # flush the report now, not at the next heartbeat
+
+    # --------------------------------------------------------------------------------------- reports
+    def _flush(self) -> None:
+        if self.client is None or self.outbox is None:
+            return
+        client, outbox = self.client, self.outbox
+
+        def send(batch: list[TrialReport]) -> None:
+            client.send_reports(self.cfg.node_name, batch)
+
+        n = 0
+        try:
+            n = outbox.flush(send)
+        except ControllerError as exc:
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
+                n = self._flush_singly(send)  # find the report(s) the controller refuses
+            else:
+                log.warning("report flush failed (%d pending, kept): %s", outbox.depth(), exc)
+        if n:
+            self.metrics.reports_sent.inc(n)
+            log.info("%d report(s) acknowledged", n)
+        self.metrics.outbox_depth.set(outbox.depth())
+
+    def _flush_singly(self, send: Callable[[list[TrialReport]], None]) -> int:
+        assert self.outbox is not None
+        n = 0
+        for report in self.outbox.pending(1000):
+            try:
+                send([report])
+            except ControllerError as exc:
+                if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
+                    log.error("controller refused report %s; it will not be resent: %s", report.idempotency_key, exc)
+                    self.outbox.mark_rejected(report.idempotency_key, str(exc))
+                    continue
+                log.warning("report flush failed: %s", exc)
+                break
+            self.outbox.mark_sent([report.idempotency_key])
+            n += 1
+        return n

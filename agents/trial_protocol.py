@@ -1,0 +1,115 @@
+"""What the agent hands its trial child (``WorkerSpec``) and what the child writes back (``WorkerResult``).
+
+Both are JSON files: the parent writes the spec, the child writes its result atomically (temp file +
+rename) and a small progress file naming the phase it is in, so a crash or hang report says where it died.
+Also the traffic profile file format (``--profile``). No torch import here: the agent process stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Outcome = Literal["ok", "numeric_error", "mismatch", "oom", "crash", "hang", "compile_error", "load_error"]
+DTypeName = Literal["fp16", "bf16", "fp32"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrafficProfile(_Model):
+    """``--profile`` file (JSON or TOML): overrides the trial shapes and effort the controller asked for."""
+
+    batch_sizes: list[int] | None = Field(None, description="decode tokens per call")
+    prefill_tokens: list[int] | None = None
+    rounds: int | None = Field(None, ge=1, le=1000)
+    fuzz_shapes: int | None = Field(None, ge=0, le=1000, description="random shapes per op and dtype")
+    dtypes: list[DTypeName] | None = Field(None, description="dtypes checked for numerics (default: all)")
+    latency_dtype: DTypeName | None = None
+    e2e: bool | None = Field(None, description="measure the decoder block end to end")
+    memory_limit_mb: int | None = Field(None, ge=64, description="CPU only: address-space budget of the child")
+
+    @field_validator("batch_sizes", "prefill_tokens")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(x < 1 for x in v):
+            raise ValueError("sizes must be positive integers")
+        return v
+
+
+class ProfileError(ValueError):
+    """The profile file is unreadable or invalid."""
+
+
+def load_profile(path: Path) -> TrafficProfile:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(f"traffic profile {path}: cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"traffic profile {path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+    try:
+        return TrafficProfile.model_validate(data)
+    except ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ProfileError(f"traffic profile {path}: {errs}") from None
+
+
+class WorkerSpec(_Model):
+    candidate_path: str
+    candidate_digest: str
+    stable_path: str | None = None
+    stable_digest: str | None = None
+    trusted_keys_dir: str
+    loader_cache_dir: str
+    device: Literal["cpu", "cuda"]
+    arch: str | None = None
+    batch_sizes: list[int] = Field(default_factory=list)
+    prefill_tokens: list[int] = Field(default_factory=list)
+    rounds: int = 3
+    seed: int = 0
+    fuzz_shapes: int = 2
+    dtypes: list[DTypeName] | None = None
+    latency_dtype: DTypeName | None = None
+    e2e: bool = True
+    memory_limit_bytes: int | None = None  # CPU: RLIMIT_AS budget above the child's footprint after imports
+    agent_pid: int | None = None
+    progress_path: str | None = None
+
+
+class WorkerResult(_Model):
+    outcome: Outcome
+    detail: str = ""
+    phase: str = ""
+    latency: list[dict[str, Any]] = Field(default_factory=list)
+    numerics: list[dict[str, Any]] = Field(default_factory=list)
+    e2e_stable_s: float | None = None
+    e2e_candidate_s: float | None = None
+    launches_per_call: dict[str, int] = Field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    seconds: dict[str, float] = Field(default_factory=dict)  # time spent per phase
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` via a temp file in the same directory and rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

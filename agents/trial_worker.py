@@ -1,0 +1,432 @@
+"""The trial child process: ``python -m agents.trial_worker SPEC.json RESULT.json``.
+
+Runs one trial of a candidate bundle against the stable one on this node and writes a ``WorkerResult``
+atomically: golden vectors, shape fuzzing inside each op's domain with fresh random inputs (error against the
+float64 reference and difference against the stable version on the same inputs), interleaved stable/candidate
+latency at the traffic profile's sizes, launches per call, peak memory, and the end-to-end decoder-block
+latency. The first failure of candidate code ends the trial with its outcome (``oom``, ``crash``,
+``compile_error``, ``load_error``, ``numeric_error``, ``mismatch``). A signal (e.g. SIGSEGV) or a hang leaves
+no result: the parent (``agents.trial``) classifies those from the exit status and the progress file.
+
+The child lowers its priority (nice +10), dies with the agent (PR_SET_PDEATHSIG), and on CPU caps its
+address space (RLIMIT_AS) so a runaway allocation fails as a real allocation failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from agents.trial_protocol import WorkerResult, WorkerSpec, write_json_atomic
+
+MAX_ERR = 1e30  # the wire's ceiling for an error value; inf/NaN errors are reported as this
+
+
+class TrialFailure(Exception):
+    """Ends the trial with ``outcome`` (raised by the phases)."""
+
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+
+
+def _die_with_parent(agent_pid: int | None) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if agent_pid is not None and os.getppid() != agent_pid:
+        sys.exit(3)  # the agent died before we could arm the death signal
+
+
+def _vm_size_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _limit_memory(budget: int | None) -> None:
+    if not budget:
+        return
+    limit = _vm_size_bytes() + budget
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """Map an exception raised by candidate code to (outcome, detail)."""
+    import torch
+
+    name = type(exc).__name__
+    msg = str(exc)
+    first = msg.strip().splitlines()[0][:400] if msg.strip() else ""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))[-2500:]
+    text = f"{name}: {first}\n{tb}"
+    low = msg.lower()
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in low or (
+        "out of memory" in low and "cuda error: an illegal" not in low
+    ):
+        return "oom", text
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover
+        CompilationError = OutOfResources = ()  # type: ignore[assignment,misc]
+    if isinstance(exc, (CompilationError, OutOfResources)) or "CompilationError" in name:
+        return "compile_error", text
+    return "crash", text
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.result = WorkerResult(outcome="ok")
+        self.notes: list[str] = [f"seed={spec.seed}"]
+
+    # ------------------------------------------------------------------------------------ plumbing
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.result.phase = name
+        if self.spec.progress_path:
+            write_json_atomic(Path(self.spec.progress_path), {"phase": name, "at": time.time()})
+        t0 = time.perf_counter()
+        try:
+            yield
+        except TrialFailure:
+            raise
+        except Exception as exc:
+            outcome, text = classify(exc)
+            raise TrialFailure(outcome, f"{name}: {text}") from exc
+        finally:
+            self.result.seconds[name] = self.result.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    # ---------------------------------------------------------------------------------------- run
+    def run(self) -> WorkerResult:
+        try:
+            self._run()
+        except TrialFailure as f:
+            self.result.outcome = f.outcome  # type: ignore[assignment]
+            self.notes.append(f.detail)
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in self.result.seconds.items())
+        self.notes.insert(1, f"phases: {phases}")
+        self.result.detail = "\n".join(self.notes)[-8000:]
+        return self.result
+
+    def _run(self) -> None:
+        spec = self.spec
+        with self.phase("import"):
+            import torch
+            from triton import knobs
+
+            from kernelpack.errors import BundleError
+            from kernelpack.loader import load_bundle
+        _limit_memory(spec.memory_limit_bytes if spec.device == "cpu" else None)
+        knobs.cache.dir = str(Path(spec.loader_cache_dir) / "triton" / "trials")
+        self.device = torch.device(spec.device)
+        with self.phase("load"):
+            try:
+                cand = load_bundle(Path(spec.candidate_path), Path(spec.trusted_keys_dir), arch=spec.arch,
+                                   cache_dir=Path(spec.loader_cache_dir), digest=spec.candidate_digest)
+            except BundleError as exc:
+                raise TrialFailure("load_error", f"candidate failed to load: {exc}") from exc
+            bad = sorted({o.unsupported for o in cand.ops.values() if o.unsupported})
+            if bad:
+                raise TrialFailure("load_error", f"candidate cannot run its kernels on this node: {bad[0]}")
+            stable = None
+            if spec.stable_path:
+                try:
+                    stable = load_bundle(Path(spec.stable_path), Path(spec.trusted_keys_dir), arch=spec.arch,
+                                         cache_dir=Path(spec.loader_cache_dir), digest=spec.stable_digest)
+                except BundleError as exc:
+                    self.notes.append(f"stable failed to load ({exc}); no comparison against stable")
+        self.cand = {n: (b.op, b.config) for n, b in cand.ops.items()}
+        self.stable = {n: (b.op, b.config) for n, b in stable.ops.items()} if stable else {}
+        self.cand_bundle = cand
+        self._numerics()
+        if self.result.outcome != "ok":
+            return
+        self._latency()
+        self._e2e()
+
+    # ---------------------------------------------------------------------------------- numerics
+    def _dtypes(self, op: Any) -> list[str]:
+        allowed = [d for d in op.domain.dtypes if d in op.tolerances]
+        return [d for d in allowed if self.spec.dtypes is None or d in self.spec.dtypes]
+
+    def _record(self, results: list[Any]) -> None:
+        for r in results:
+            self.result.numerics.append({
+                "op": r.op, "dtype": r.dtype, "shape": {k: int(v) for k, v in r.shape.items()},
+                "max_abs_err": _clamp(r.max_abs_err), "max_rel_err": _clamp(r.max_rel_err),
+                "within_tolerance": bool(r.within_tolerance and r.unwritten == 0 and r.nonfinite == 0
+                                         and not r.inputs_modified),
+                "unwritten": int(r.unwritten),
+                "vs_stable_max_abs": None if r.against_max_abs_diff is None else _clamp(r.against_max_abs_diff),
+                "vs_stable_within": r.against_within_tolerance,
+            })
+
+    def _numerics(self) -> None:
+        from kernelpack.harness.golden import check_golden
+        from kernelpack.harness.numerics import check_numerics, fuzz_shapes
+
+        spec = self.spec
+        with self.phase("golden"):
+            for g in self.cand_bundle.manifest.golden:
+                if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
+                    continue
+                op, cfg = self.cand[g.op]
+                blob = (self.cand_bundle.root / g.path).read_bytes()
+                self._record(check_golden(op, cfg, blob, device=self.device))
+        rng = random.Random(spec.seed)
+        with self.phase("fuzz"):
+            for k, name in enumerate(sorted(self.cand)):
+                op, cfg = self.cand[name]
+                if op.fuzz is None or spec.fuzz_shapes == 0:
+                    continue
+                against = self.stable.get(name)
+                for j, dtype in enumerate(self._dtypes(op)):
+                    shapes = fuzz_shapes(op, spec.fuzz_shapes, rng)
+                    self._record(check_numerics(op, cfg, dtype, shapes, device=self.device,
+                                                seed=spec.seed + 1000 * k + 100 * j, against=against))
+        bad = [c for c in self.result.numerics if not c["within_tolerance"]]
+        if bad:
+            c = bad[0]
+            self.result.outcome = "numeric_error"
+            self.notes.append(
+                f"{len(bad)} numeric check(s) over tolerance; first: {c['op']} {c['dtype']} {c['shape']} "
+                f"max_abs_err={c['max_abs_err']:.3g} unwritten={c['unwritten']}"
+            )
+            return
+        mism = [c for c in self.result.numerics if c["vs_stable_within"] is False]
+        if mism:
+            c = mism[0]
+            self.result.outcome = "mismatch"
+            self.notes.append(
+                f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['op']} {c['dtype']} "
+                f"{c['shape']} max |candidate-stable|={c['vs_stable_max_abs']:.3g}"
+            )
+
+    # ----------------------------------------------------------------------------------- latency
+    def _latency_dtype(self, op: Any) -> str:
+        dts = self._dtypes(op) or list(op.domain.dtypes)
+        if self.spec.latency_dtype and self.spec.latency_dtype in dts:
+            return self.spec.latency_dtype
+        prefer = ("bf16", "fp16", "fp32") if self.device.type == "cuda" else ("fp32", "fp16", "bf16")
+        return next(d for d in prefer if d in dts) if any(d in dts for d in prefer) else dts[0]
+
+    def _shapes(self, op: Any, dtype: str) -> list[dict[str, int]]:
+        from kernelpack.kernels.spec import DTYPES, DomainError
+
+        spec = self.spec
+        decode, prefill = sorted(set(spec.batch_sizes)), sorted(set(spec.prefill_tokens))
+        shapes: list[dict[str, int]] = []
+        if self.device.type == "cuda":
+            shapes = [self._at(op.decode_shapes or op.test_shapes, b) for b in decode]
+            shapes += [self._at(op.prefill_shapes or op.decode_shapes or op.test_shapes, p) for p in prefill]
+            if not shapes:
+                shapes = [dict(s) for s in op.decode_shapes] or [dict(s) for s in op.test_shapes]
+        else:
+            # the interpreter runs the small test shape, tokens scaled from the profile into 1..4
+            base = dict(min(op.test_shapes, key=lambda s: math.prod(s.values())))
+            dim = token_dim(base)
+            sizes = decode + prefill
+            top = max(sizes) if sizes else 1
+            tokens = sorted({max(1, math.ceil(4 * x / top)) for x in sizes}) or [base[dim]]
+            tokens = sorted({tokens[0], tokens[-1]})
+            shapes = [{**base, dim: t} for t in tokens]
+        ok = []
+        for s in shapes:
+            try:
+                op.domain.check(DTYPES[dtype], s)
+            except DomainError:
+                continue
+            ok.append(s)
+        return ok
+
+    @staticmethod
+    def _at(shapes: Any, tokens: int) -> dict[str, int]:
+        """The op's shape with ``tokens`` in its token dimension (an exact entry when the op lists one)."""
+        for sh in shapes:
+            if sh.get(token_dim(sh)) == tokens:
+                return dict(sh)
+        base = dict(shapes[0])
+        return {**base, token_dim(base): tokens}
+
+    def _capacity_shape(self, op: Any, dtype: str, shapes: list[dict[str, int]]) -> dict[str, int] | None:
+        """Where launches and peak memory are measured: the largest latency shape on a GPU; on the CPU
+        interpreter the test shape at the profile's largest decode batch (memory scales with tokens, so a
+        kernel that allocates too much at production batch sizes fails here as a real allocation)."""
+        from kernelpack.kernels.spec import DTYPES, DomainError
+
+        if self.device.type == "cuda" or not self.spec.batch_sizes:
+            return max(shapes, key=lambda s: math.prod(s.values())) if shapes else None
+        base = dict(min(op.test_shapes, key=lambda s: math.prod(s.values())))
+        shape = {**base, token_dim(base): max(self.spec.batch_sizes)}
+        try:
+            op.domain.check(DTYPES[dtype], shape)
+        except DomainError:
+            return max(shapes, key=lambda s: math.prod(s.values())) if shapes else None
+        return shape
+
+    def _latency(self) -> None:
+        from kernelpack.harness.bench import (
+            count_launches,
+            launches_per_call,
+            paired_latency,
+            peak_memory_bytes,
+        )
+        from kernelpack.harness.numerics import make_generator, resolve_dtype
+
+        spec = self.spec
+        rounds = spec.rounds if self.device.type == "cuda" else min(spec.rounds, 3)
+        plan = []
+        for name in sorted(self.cand):
+            op, _cfg = self.cand[name]
+            dtype = self._latency_dtype(op)
+            shapes = self._shapes(op, dtype)
+            plan.append((name, dtype, shapes, self._capacity_shape(op, dtype, shapes)))
+        from kernelpack.kernels.spec import DomainError
+
+        peak = 0
+        with self.phase("capacity"):  # launches per call and peak memory, at production batch sizes
+            for name, dtype, shapes, cap in plan:
+                op, cfg = self.cand[name]
+                tries = [cap] if cap is not None else []
+                tries += sorted(shapes, key=lambda s: -math.prod(s.values()))
+                for shape in tries:
+                    inputs = op.make_inputs(dict(shape), resolve_dtype(dtype), self.device,
+                                            make_generator(self.device, spec.seed))
+
+                    def call(op: Any = op, cfg: Any = cfg, inputs: Any = inputs) -> None:
+                        op.run(inputs, op.alloc_outputs(inputs), cfg)
+
+                    try:
+                        if self.device.type == "cuda":
+                            launches = launches_per_call(op, cfg, inputs)  # warmed up: compiles not counted
+                            peak = max(peak, int(peak_memory_bytes(call, device=self.device)))
+                        else:  # the interpreter is slow: launches and memory from one single call
+                            with count_launches() as counter:
+                                peak = max(peak, int(peak_memory_bytes(call, device=self.device)))
+                            launches = counter[0]
+                    except DomainError as exc:  # the shape, not the kernel: an op-specific constraint
+                        self.notes.append(f"{name}: capacity shape {shape} skipped: {exc}")
+                        continue
+                    finally:
+                        del inputs
+                    self.result.launches_per_call[name] = int(launches)
+                    break
+        self.result.peak_memory_bytes = peak
+        with self.phase("latency"):
+            for k, (name, dtype, shapes, _cap) in enumerate(plan):
+                if not shapes:
+                    self.notes.append(f"{name}: no profile shape inside the op's domain; latency skipped")
+                    continue
+                if name not in self.stable:
+                    continue
+                for j, shape in enumerate(shapes):
+                    try:
+                        pairs = paired_latency(self.stable[name], self.cand[name], dtype, [shape],
+                                               device=self.device, rounds=rounds, seed=spec.seed + 7 * k + j)
+                    except DomainError as exc:
+                        self.notes.append(f"{name}: latency shape {shape} skipped: {exc}")
+                        continue
+                    for p in pairs:
+                        self.result.latency.append({
+                            "op": name, "tokens": int(p.shape[token_dim(p.shape)]),
+                            "stable_s": max(p.stable_s, 1e-9), "candidate_s": max(p.candidate_s, 1e-9),
+                        })
+
+    def _e2e(self) -> None:
+        if not self.spec.e2e or not self.stable:
+            return
+        from kernelpack.harness.decoder_block import STAGE_OPS, decoder_block_latency
+
+        if not any(n in STAGE_OPS for n in self.cand):
+            return
+        spec = self.spec
+        with self.phase("e2e"):
+            if self.device.type == "cuda":
+                tokens = min(spec.prefill_tokens) if spec.prefill_tokens else 512
+                kw: dict[str, Any] = {"tokens": tokens, "hidden": 4096, "heads": 32, "head_dim": 128,
+                                      "intermediate": 14336, "dtype": "bf16", "rounds": spec.rounds}
+            else:
+                kw = {"tokens": 2, "hidden": 32, "heads": 2, "head_dim": 16, "intermediate": 64,
+                      "dtype": "fp32", "rounds": 1}
+            from kernelpack.kernels.spec import DomainError
+
+            def usable(ops: dict[str, Any]) -> dict[str, Any]:  # ops that accept the block's dtype
+                return {n: v for n, v in ops.items() if kw["dtype"] in v[0].domain.dtypes}
+
+            stable, cand = usable(self.stable), usable(self.cand)
+            while True:
+                try:
+                    res = decoder_block_latency(stable, cand, device=self.device, seed=spec.seed, **kw)
+                    break
+                except DomainError as exc:  # this block's shapes/dtype lie outside one op's domain
+                    bad = str(exc).split(":", 1)[0].strip()
+                    if bad not in cand and bad not in stable:
+                        self.notes.append(f"decoder block skipped: {exc}")
+                        return
+                    self.notes.append(f"decoder block runs {bad} eager: {exc}")
+                    stable.pop(bad, None)
+                    cand.pop(bad, None)
+            self.result.e2e_stable_s = max(sorted(res.a_s)[len(res.a_s) // 2], 1e-9)
+            self.result.e2e_candidate_s = max(sorted(res.b_s)[len(res.b_s) // 2], 1e-9)
+            if res.within_tolerance_a and not res.within_tolerance_b:
+                self.result.outcome = "numeric_error"
+                self.notes.append(
+                    f"decoder block with candidate kernels: max abs error {res.max_abs_err_b:.3g} over the "
+                    f"bound (stable {res.max_abs_err_a:.3g}, eager {res.eager_max_abs_err:.3g})"
+                )
+
+
+TOKEN_DIMS = ("tokens", "q", "seq")
+
+
+def token_dim(shape: dict[str, int]) -> str:
+    """The dimension that scales with traffic (tokens per call); the first dim when none is named so."""
+    return next((d for d in TOKEN_DIMS if d in shape), next(iter(shape)))
+
+
+def _clamp(v: float) -> float:
+    return MAX_ERR if not math.isfinite(v) else min(float(v), MAX_ERR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m agents.trial_worker SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    spec = WorkerSpec.model_validate_json(Path(args[0]).read_bytes())
+    _die_with_parent(spec.agent_pid)
+    with suppress(OSError):
+        os.nice(10)
+    result = Worker(spec).run()
+    write_json_atomic(Path(args[1]), result.model_dump(mode="json"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter/CUDA teardown: a poisoned CUDA context can hang it
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""A tiny loopback HTTP proxy in front of the real controller: a fixed address for agents while the
+controller restarts on new ports (502 while it is down, like a load balancer), and optional tampering with
+bundle downloads (a man in the middle flipping a byte)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
+
+
+class Proxy:
+    def __init__(self, upstream: str | None = None) -> None:
+        self.upstream = upstream
+        self.tamper: Callable[[str], bool] = lambda path: False
+        self.requests: list[tuple[str, str, int]] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                up = proxy.upstream
+                status, headers, content = 502, {}, b'{"detail":"upstream down"}'
+                if up is not None:
+                    try:
+                        fwd = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                        r = httpx.request(self.command, up + self.path, headers=fwd, content=body, timeout=30)
+                        status, content = r.status_code, r.content
+                        headers = {k: v for k, v in r.headers.items() if k.lower() not in HOP}
+                    except httpx.HTTPError:
+                        pass
+                if status == 200 and proxy.tamper(self.path) and content:
+                    b = bytearray(content)
+                    b[len(b) // 2] ^= 0x01
+                    content = bytes(b)
+                proxy.requests.append((self.command, self.path, status))
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> Proxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,89 @@
+"""The report outbox: durable, FIFO, acknowledged-only, same keys on resend, survives reopening."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from agents.outbox import Outbox, new_idempotency_key
+from kernelctl.wire import BundleRef, ReportBatchResponse, TrialReport
+
+REF = BundleRef(name="llm-fused", version="1.1.0", digest="a" * 64)
+
+
+def report(node: str = "n1", outcome: str = "ok") -> TrialReport:
+    return TrialReport(idempotency_key=new_idempotency_key(node), rollout_id=1, stratum="sm_90/drv550/triton3.6.0",
+                       candidate=REF, stable=None, outcome=outcome, measured_at=dt.datetime.now(dt.timezone.utc))
+
+
+def test_key_format_fits_wire() -> None:
+    key = new_idempotency_key("n" * 250)
+    assert len(key) <= 128 and key.startswith("n" * 80 + ":")
+    assert new_idempotency_key("a") != new_idempotency_key("a")
+
+
+def test_reports_survive_reopen_and_keep_order(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db")
+    reps = [report() for _ in range(5)]
+    for r in reps:
+        box.add(r)
+    box.close()
+    box = Outbox(tmp_path / "o.db")  # an agent restart
+    assert box.depth() == 5
+    assert [r.idempotency_key for r in box.pending(10)] == [r.idempotency_key for r in reps]
+    assert box.pending(10)[0] == reps[0]  # the full report round-trips
+    box.close()
+
+
+def test_flush_marks_sent_only_after_ack_and_resends_same_keys(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db")
+    reps = [report() for _ in range(5)]
+    for r in reps:
+        box.add(r)
+    seen: list[list[str]] = []
+
+    def down(batch: list[TrialReport]) -> ReportBatchResponse:
+        seen.append([r.idempotency_key for r in batch])
+        raise ConnectionError("controller down")
+
+    with pytest.raises(ConnectionError):
+        box.flush(down, batch_size=2)
+    assert box.depth() == 5  # nothing acknowledged: nothing marked
+
+    def up(batch: list[TrialReport]) -> ReportBatchResponse:
+        seen.append([r.idempotency_key for r in batch])
+        return ReportBatchResponse(accepted=len(batch), duplicates=0)
+
+    assert box.flush(up, batch_size=2) == 5
+    assert box.depth() == 0
+    assert seen[0] == seen[1]  # the unacknowledged batch was resent with the same keys
+    assert [k for b in seen[1:] for k in b] == [r.idempotency_key for r in reps]
+    assert box.flush(up) == 0  # nothing is sent twice once acknowledged
+    assert len(seen) == 4
+    box.close()
+
+
+def test_duplicate_add_is_ignored_and_rejected_is_never_resent(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db")
+    r = report()
+    box.add(r)
+    box.add(r)
+    assert box.depth() == 1
+    box.mark_rejected(r.idempotency_key, "422: bad")
+    assert box.depth() == 0 and box.pending() == []
+    assert box.rejected() == [(r.idempotency_key, "422: bad")]
+    box.close()
+
+
+def test_wal_and_state(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db")
+    box.set_state("last_trial", {"end": 1.5, "duration": 2.0})
+    assert box.get_state("last_trial") == {"end": 1.5, "duration": 2.0}
+    box.set_state("last_trial", None)
+    assert box.get_state("last_trial", "none") == "none"
+    box.close()
+    mode = sqlite3.connect(tmp_path / "o.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
