@@ -95,7 +95,7 @@ def worker_spec(
         prefill_tokens=p.prefill_tokens if p.prefill_tokens is not None else list(spec.prefill_tokens),
         rounds=p.rounds or spec.rounds,
         seed=secrets.randbits(31),  # fresh random inputs and fuzz shapes on every trial
-        fuzz_shapes=p.fuzz_shapes if p.fuzz_shapes is not None else (2 if cpu else 8),
+        fuzz_shapes=p.fuzz_shapes if p.fuzz_shapes is not None else (2 if cpu else 4),
         dtypes=p.dtypes,
         latency_dtype=p.latency_dtype,
         e2e=True if p.e2e is None else p.e2e,

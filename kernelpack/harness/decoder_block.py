@@ -69,14 +69,14 @@ def make_weights(
     gen = make_generator(device, seed)
 
     def lin(i: int, o: int) -> torch.Tensor:
-        return (torch.randn(i, o, generator=gen) / math.sqrt(i)).to(device, dtype)
+        return (torch.randn(i, o, generator=gen, device=gen.device) / math.sqrt(i)).to(device, dtype)
 
     qkv = heads * head_dim
     return DecoderWeights(
         w_qkv=lin(hidden, 3 * qkv), w_o=lin(qkv, hidden), w_gate=lin(hidden, intermediate),
         w_up=lin(hidden, intermediate), w_down=lin(intermediate, hidden),
-        norm1=(1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype),
-        norm2=(1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype),
+        norm1=(1.0 + 0.1 * torch.randn(hidden, generator=gen, device=gen.device)).to(device, dtype),
+        norm2=(1.0 + 0.1 * torch.randn(hidden, generator=gen, device=gen.device)).to(device, dtype),
         heads=heads, head_dim=head_dim,
     )
 
@@ -268,8 +268,8 @@ def _setup(
     w = make_weights(hidden=hidden, heads=heads, head_dim=head_dim, intermediate=inter, dtype=tdtype,
                      device=dev, seed=seed)
     gen = make_generator(dev, seed + 1)
-    x = torch.randn(tokens, hidden, generator=gen).to(dev, tdtype)
-    res = torch.randn(tokens, hidden, generator=gen).to(dev, tdtype)
+    x = torch.randn(tokens, hidden, generator=gen, device=gen.device).to(dev, tdtype)
+    res = torch.randn(tokens, hidden, generator=gen, device=gen.device).to(dev, tdtype)
     ref_out, ref_h = DecoderBlock(w.to(torch.float64))(x.double(), res.double())
     ref = (ref_out + ref_h).cpu()
     eager_err = _block_error(DecoderBlock(w), x, res, ref)
