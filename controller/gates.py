@@ -22,7 +22,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Node, Report, RolloutStratum
-from controller.judge.latency import judge_latency
+from controller.judge.latency import advance_upper_bound, judge_latency
 from controller.plan import PlanSpec, StepSpec
 from kernelctl import wire
 
@@ -192,8 +192,16 @@ def decide(row: RolloutStratum, step: StepSpec, plan: PlanSpec, now: dt.datetime
     evidence = {**timing, "latency": v.as_dict(), "ok_reports": ev.ok_reports}
     if v.decision == "regress":
         return Decision("rollback", "latency", v.n, v.reason, evidence)
-    if v.decision == "pass" and v.n >= step.min_samples and baked:
-        return Decision("advance", "latency", v.n, v.reason, evidence)
+    if v.n >= step.min_samples and baked:
+        if v.decision == "pass":
+            return Decision("advance", "latency", v.n, v.reason, evidence)
+        upper = advance_upper_bound(ev.samples, alpha=plan.alpha, node_ids=ev.node_ids)
+        evidence["advance_t_upper"] = upper
+        if upper is not None and upper < plan.margin_log:
+            return Decision("advance", "latency", v.n,
+                            f"candidate within margin: t upper bound {math.expm1(upper):+.1%} < margin "
+                            f"{plan.latency_margin:+.1%} over {v.n} samples after the bake time "
+                            "(no regression in the confidence sequence)", evidence)
     if late:
         return Decision("pause", "deadline", v.n, f"inconclusive past the step deadline ({step.deadline_seconds:g}s):"
                         f" {v.reason}", evidence)

@@ -199,3 +199,25 @@ def judge_latency(
                   f"{span} (mean {_pct(mean)})")
     return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=lower, upper=upper,
                           reason=reason + notes, **common)
+
+
+def advance_upper_bound(samples: Sequence[float], *, alpha: float = 0.05,
+                        node_ids: Sequence[str] | None = None,
+                        max_node_share: float = DEFAULT_MAX_NODE_SHARE) -> float | None:
+    """One-sided Student-t upper confidence bound on the mean log-ratio, for the *advance* decision.
+
+    The two directions carry different risks. A false rollback is what the anytime-valid confidence
+    sequence above rules out, however often it is evaluated. A false advance only widens the canary, where
+    the confidence sequence keeps watching with more evidence; so advancing uses this fixed-sample bound,
+    which is far tighter at small n (the EB sequence needs 20+ samples however clean the data), taken once
+    the step's bake time and minimum samples are met. None when fewer than 2 samples.
+    """
+    from scipy import stats
+
+    x = np.asarray(samples, dtype=float)
+    if node_ids is not None:
+        x = x[balance_by_node(node_ids, max_node_share)]
+    if x.size < 2:
+        return None
+    sd = float(x.std(ddof=1))
+    return float(x.mean() + stats.t.ppf(1 - alpha, x.size - 1) * sd / math.sqrt(x.size))

@@ -89,3 +89,21 @@ def test_margin_is_configurable() -> None:
     now = T0 + dt.timedelta(seconds=61)
     assert decide(row(), STEP, PLAN, now, hard=None, ev=ev([0.1] * 80), canaries=1).decision == "rollback"
     assert decide(row(), STEP, loose, now, hard=None, ev=ev([0.1] * 80), canaries=1).decision == "advance"
+
+
+def test_advance_after_bake_on_the_t_bound_before_the_sequence_is_decisive() -> None:
+    """Few clean samples: the confidence sequence is still inconclusive, the fixed-time t bound advances."""
+    clean = [0.004, -0.006, 0.002, -0.001, 0.003, -0.004, 0.001, 0.0]
+    d = decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=61), hard=None, ev=ev(clean), canaries=1)
+    assert d.evidence["latency"]["decision"] == "hold"  # the sequence alone would not pass yet
+    assert (d.decision, d.gate) == ("advance", "latency") and "t upper bound" in d.reason
+    assert d.evidence["advance_t_upper"] < math.log1p(PLAN.latency_margin)
+    # the same samples before the bake time: hold
+    d = decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=30), hard=None, ev=ev(clean), canaries=1)
+    assert d.decision == "hold"
+
+
+def test_no_advance_when_the_t_bound_reaches_the_margin() -> None:
+    noisy = [0.03, -0.01, 0.04, 0.0, 0.025, 0.01, 0.035, -0.005]  # mean +1.6%, spread too wide for 2%
+    d = decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=61), hard=None, ev=ev(noisy), canaries=1)
+    assert d.decision == "hold" and d.evidence["advance_t_upper"] > math.log1p(PLAN.latency_margin)
