@@ -40,19 +40,21 @@ POSES = [
 # Short steps so the demo fits in minutes; production plans default to 1 node, 10%, 50%, 100%.
 DEMO_PLAN: dict[str, Any] = {
     "steps": [
-        {"nodes": 2, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 120},
-        {"percent": 100, "bake_seconds": 2, "min_samples": 4, "deadline_seconds": 120},
+        {"nodes": 2, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 150},
+        {"percent": 100, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 150},
     ],
-    # the interpreter's timings on a shared 2-core machine are noisier than a GPU's; GPU plans keep 2%
-    "latency_margin": 0.10,
+    # Under the interpreter a kernel's time is Python overhead, noisy on a shared 2-core machine (a few
+    # percent per trial); GPU plans keep the 2% default.
+    "latency_margin": 0.25,
     "max_fleet_share": 1.0,
     "max_label_share": 1.0,
-    "trial_rounds": 2,
+    "trial_rounds": 1,
     "trial_interval_seconds": 0,
     "hold_verdict_seconds": 5,
 }
 # Each demo node's traffic profile: small batches, because the kernels run through the interpreter.
-DEMO_PROFILE = {"batch_sizes": [8], "prefill_tokens": [], "rounds": 2, "fuzz_shapes": 1, "dtypes": ["fp32"]}
+DEMO_PROFILE = {"batch_sizes": [8], "prefill_tokens": [], "rounds": 1, "fuzz_shapes": 1, "dtypes": ["fp32"],
+                "e2e": False}
 
 
 @dataclass
@@ -189,7 +191,7 @@ def demo(
     db: Annotated[str | None, typer.Option("--db", help="Database URL (default: SQLite in the work dir).")] = None,
     keep: Annotated[Path | None, typer.Option(help="Keep the database, keys, bundles and logs in DIR.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary only.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per rollout.")] = 150.0,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per rollout.")] = 300.0,
 ) -> None:
     """Run a real controller and agents locally: promote llm-fused 1.1.0, roll back a numeric-drift fault."""
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kernelctl-demo-"))

@@ -43,9 +43,13 @@ def test_effective_outcome_escalates_failed_checks() -> None:
     assert effective_outcome(report(outcome="oom")) == "oom"
 
 
-def test_log_ratio_is_median_of_pair_log_ratios() -> None:
+def test_log_ratio_is_mean_over_ops_of_median_pair_log_ratios() -> None:
     pairs = [wire.LatencyPair(op="x", tokens=1, stable_s=2.0, candidate_s=c) for c in (2.0, 4.0, 2.2, 100.0, 1.0)]
-    assert log_ratio(report(latency=pairs)) == pytest.approx(math.log(1.1))
+    assert log_ratio(report(latency=pairs)) == pytest.approx(math.log(1.1))  # one outlier round is harmless
+    # one op of three 8x slower: the sample moves by ln(8)/3, it is not hidden by the unchanged ops
+    same = [wire.LatencyPair(op=op, tokens=t, stable_s=1.0, candidate_s=1.0) for op in ("a", "b") for t in (1, 1, 1)]
+    slow = [wire.LatencyPair(op="c", tokens=1, stable_s=1.0, candidate_s=8.0) for _ in range(3)]
+    assert log_ratio(report(latency=same + slow)) == pytest.approx(math.log(8) / 3)
     assert log_ratio(report()) is None
     s = numerics_summary(report(numerics=[check(), check(max_abs_err=3.0, within_tolerance=False)]))
     assert (s["checks"], s["out_of_tolerance"], s["max_abs_err"], s["worst"]["max_abs_err"]) == (2, 1, 3.0, 3.0)
