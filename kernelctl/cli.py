@@ -9,6 +9,7 @@ from controller import cli as controller_cli
 from controller.audit_cli import audit
 from controller.db.cli import db_app
 from controller.judge.cli import sim_app
+from controller.sim_fleet import register as register_sim_fleet
 from kernelctl import __version__
 from kernelctl.config_cli import config_app
 from kernelctl.demo import demo
@@ -26,6 +27,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
+register_sim_fleet(sim_app)
 app.add_typer(sim_app, name="sim")
 app.command("audit")(audit)
 app.command("agent")(agent_command)
