@@ -148,6 +148,8 @@ class LocalFleet:
                 detail = resp.json().get("detail")
             except ValueError:
                 detail = resp.text
+            if isinstance(detail, list):  # validation errors: one message per field
+                detail = "; ".join(str(d.get("msg", d)) for d in detail)
             raise FleetError(f"{method} {path} -> {resp.status_code}: {detail}")
         return resp.json() if resp.content else None
 

@@ -131,6 +131,9 @@ def _json_safe(value: Any) -> Any:
 
 
 def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 422:  # one shape for every 422, as the OpenAPI schema declares (FastAPI's error list)
+        return JSONResponse({"detail": [{"loc": ["body"], "msg": detail, "type": "value_error"}]},
+                            status_code=422, headers=headers)
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 

@@ -4,8 +4,9 @@ pause, resume. Each change is one transaction of the rollout engine (which write
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
@@ -28,6 +29,8 @@ from controller.compat import load_fleet
 from controller.db.models import Assignment, Bundle, Rollout, Verdict
 from controller.errors import Conflict, NotFound
 from kernelctl import wire
+
+RolloutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Rollout id.")]
 
 router = APIRouter(prefix=wire.API_PREFIX + "/rollouts", tags=["rollouts"])
 VERDICT_HISTORY = 50
@@ -146,20 +149,20 @@ def list_rollouts(_p: Viewer, state: State, state_filter: str | None = None, lim
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
-def show(rollout_id: int, _p: Viewer, state: State) -> RolloutDetail:
+def show(rollout_id: RolloutId, _p: Viewer, state: State) -> RolloutDetail:
     with state.tx() as session:
         return rollout_detail(session, rollout_id)
 
 
 @router.post("/{rollout_id}/promote", response_model=RolloutDetail)
-def promote(rollout_id: int, principal: Operator, state: State, req: PromoteRequest | None = None) -> RolloutDetail:
+def promote(rollout_id: RolloutId, principal: Operator, state: State, req: PromoteRequest | None = None) -> RolloutDetail:
     body = req or PromoteRequest()
     return _transition(state, rollout_id, lambda s: rollouts.promote(
         s, rollout_id, actor=principal.actor, full=body.full, reason=body.reason))
 
 
 @router.post("/{rollout_id}/rollback", response_model=RolloutDetail)
-def rollback(rollout_id: int, req: RollbackRequest, principal: Operator, state: State) -> RolloutDetail:
+def rollback(rollout_id: RolloutId, req: RollbackRequest, principal: Operator, state: State) -> RolloutDetail:
     detail = _transition(state, rollout_id, lambda s: rollouts.rollback(
         s, rollout_id, actor=principal.actor, reason=req.reason, strata=req.strata))
     state.metrics.rollbacks.inc()
@@ -167,13 +170,13 @@ def rollback(rollout_id: int, req: RollbackRequest, principal: Operator, state: 
 
 
 @router.post("/{rollout_id}/pause", response_model=RolloutDetail)
-def pause(rollout_id: int, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
+def pause(rollout_id: RolloutId, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
     reason = (req or ReasonRequest()).reason
     return _transition(state, rollout_id, lambda s: rollouts.pause(s, rollout_id, actor=principal.actor, reason=reason))
 
 
 @router.post("/{rollout_id}/resume", response_model=RolloutDetail)
-def resume(rollout_id: int, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
+def resume(rollout_id: RolloutId, principal: Operator, state: State, req: ReasonRequest | None = None) -> RolloutDetail:
     reason = (req or ReasonRequest()).reason
     return _transition(state, rollout_id, lambda s: rollouts.resume(s, rollout_id, actor=principal.actor, reason=reason))
 

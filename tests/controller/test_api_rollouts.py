@@ -103,7 +103,7 @@ def test_operator_rollback_of_unknown_stratum_is_refused(ctl: ControllerProcess,
         register_node(ctl, "gpu-st-0").close()
         rid = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "plan": PLAN}).json()["id"]
         r = op.post(f"/v1/rollouts/{rid}/rollback", json={"reason": "x", "strata": ["sm_80/drv1/triton0"]})
-        assert r.status_code == 422 and "has no stratum sm_80/drv1/triton0" in r.json()["detail"]
+        assert r.status_code == 422 and "has no stratum sm_80/drv1/triton0" in r.json()["detail"][0]["msg"]
         assert op.get(f"/v1/rollouts/{rid}").json()["state"] in ("pending", "progressing")
         r = op.post(f"/v1/rollouts/{rid}/rollback", json={"reason": "bad numerics on H100",
                                                          "strata": ["sm_90/drv550/triton3.6.0"]})

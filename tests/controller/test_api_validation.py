@@ -108,7 +108,7 @@ def test_report_for_unknown_rollout_refused_whole_batch(ctl: ControllerProcess, 
     bad = {**ok_report("val-bad-000002", trial), "rollout_id": 999999}
     good = ok_report("val-bad-000001", trial)
     r = _post_batch(node, [good, bad])
-    assert r.status_code == 422 and "rollout 999999 does not exist" in r.json()["detail"]
+    assert r.status_code == 422 and "rollout 999999 does not exist" in r.json()["detail"][0]["msg"]
     assert _post_batch(node, [good]).json() == {"accepted": 1, "duplicates": 0}  # nothing partially written
 
 
@@ -153,7 +153,7 @@ def test_bad_bundle_and_body_refused(ctl: ControllerProcess, bundles: TestBundle
         data = bytearray(bundles.files["1.0.0"].read_bytes())
         data[len(data) // 2] ^= 0xFF
         r = op.post("/v1/bundles", content=bytes(data))
-        assert r.status_code == 422 and r.json()["detail"].startswith("bundle refused")
+        assert r.status_code == 422 and r.json()["detail"][0]["msg"].startswith("bundle refused")
         assert op.post("/v1/bundles", content=b"").status_code == 422
         r = op.post("/v1/rollouts", json={"bundle": "not a ref"})
         assert _fields(r) == ["body.bundle"]
