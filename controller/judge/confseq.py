@@ -26,7 +26,7 @@ at +clip, 5x the default margin, and is rolled back *faster* (the interval width
 the cost is that the reported mean understates regressions above +10.5%; the number clipped is reported
 with the evidence. The interval is for the mean of the *clipped* log-ratio. Why not 0.5: the PrPl-EB
 betting fraction is capped at c / (2 * clip), so the samples needed to resolve a gap scale with the clip
-(tuned on simulator seed 101, see docs/benchmarks-judge.md). Everything is vectorised over the
+(tuned on simulator seed 101, see docs/benchmarks.md (judge section)). Everything is vectorised over the
 last axis (prefix sums), so 10,000 nodes x tens of samples is a few milliseconds.
 """
 
