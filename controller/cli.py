@@ -96,7 +96,9 @@ class Remote:
                 detail = resp.text.strip()[:300] or resp.reason_phrase
             if isinstance(detail, list):  # FastAPI validation errors: name the fields
                 detail = "; ".join(
-                    f"{'.'.join(str(x) for x in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail[:5]
+                    (f"{field}: {d.get('msg')}" if (field := ".".join(str(x) for x in d.get("loc", [])[1:]))
+                     else str(d.get("msg")))
+                    for d in detail[:5]
                 )
             fail(f"{resp.status_code} {detail}", STATUS_EXIT.get(resp.status_code, EXIT_ERROR))
         ctype = resp.headers.get("content-type", "")

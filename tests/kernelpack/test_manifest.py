@@ -58,8 +58,10 @@ def test_1_1_0_has_arch_specific_configs_and_parent() -> None:
     v10, v11 = load_source(BUNDLES / "1.0.0"), load_source(BUNDLES / "1.1.0")
     assert v11.parent == "1.0.0" and v10.parent is None
     assert [k.op for k in v10.kernels] == [k.op for k in v11.kernels]
-    tuned = [k for k in v11.kernels if set(k.configs) >= set(k.built_for(v11.targets))]
-    assert len(tuned) >= len(v11.kernels) - 1  # every op tuned per arch (flash_attn may keep defaults)
+    # the sm_90 configs measured faster on the GPU (docs/benchmarks.md); everything else keeps the defaults
+    tuned = sorted(k.op for k in v11.kernels if k.config_for("sm_90"))
+    assert tuned == ["add_rmsnorm", "bias_gelu_tanh", "flash_attn"]
+    assert all(not k.config_for("sm_80") for k in v11.kernels)
     fp8 = next(k for k in v11.kernels if k.op == "fp8_quant")
     assert fp8.built_for(v11.targets) == ["sm_89", "sm_90"]
     assert any(k.config_for("sm_90") != k.config_for("sm_80") for k in v11.kernels)
