@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,5 @@ def empty_db_url(db_backend: str, tmp_path: Path) -> Iterator[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best-effort cleanup of the migrated template database
         dbutil.drop_templates()
-    except Exception:  # pragma: no cover - best effort cleanup
-        pass
