@@ -2,7 +2,7 @@
 check that no transition or event is lost or duplicated, every acknowledged report is stored exactly once,
 and the rollout still finishes correctly. SQLite and PostgreSQL.
 
-Iterations: ``KERNELCTL_CRASH_ITERATIONS`` (default 20); seed: ``KERNELCTL_CRASH_SEED`` (printed on failure).
+Iterations: ``KERNELCTL_CRASH_ITERATIONS`` (default 50); seed: ``KERNELCTL_CRASH_SEED`` (printed on failure).
 Simulated agents (threads in this process) heartbeat, answer trials with reports through an outbox that
 re-sends unacknowledged batches after a crash, and replay acknowledged batches now and then.
 """
@@ -33,7 +33,7 @@ from tests.controller.serverutil import (
     ok_report,
 )
 
-ITERATIONS = int(os.environ.get("KERNELCTL_CRASH_ITERATIONS", "20"))
+ITERATIONS = int(os.environ.get("KERNELCTL_CRASH_ITERATIONS", "50"))
 NODES = {"gpu-c0": "550.54.15", "gpu-c1": "550.54.15", "gpu-c2": "560.28.03", "gpu-c3": "560.28.03"}
 STRATA = {"sm_90/drv550/triton3.6.0", "sm_90/drv560/triton3.6.0"}
 STEP = {"bake_seconds": 0, "min_samples": 2, "deadline_seconds": 3600}
