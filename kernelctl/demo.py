@@ -65,6 +65,7 @@ class Outcome:
     state: str = "not started"
     reason: str | None = None
     seconds: float = 0.0
+    back_to_stable_seconds: float | None = None  # rollback decision -> no node runs the version any more
     verdicts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -152,11 +153,23 @@ def _run_rollout(fleet: LocalFleet, view: DemoView, live: Live | None, outcome: 
     outcome.seconds = round(time.monotonic() - started, 1)
     outcome.verdicts = [v for v in detail.get("verdicts", []) if v["decision"] != "hold"]
     decisive = [v for v in outcome.verdicts if v["decision"] in ("rollback", "promote", "pause")]
-    if detail.get("reason"):
+    if decisive:  # the judge's (or operator's) deciding verdict, else the rollout's own reason
+        v = decisive[0]
+        outcome.reason = f"{v['decision']} by gate {v['gate']}: {v['evidence'].get('reason', '')}".rstrip(": ")
+    elif detail.get("reason"):
         outcome.reason = detail["reason"]
-    elif decisive:
-        v = decisive[-1]
-        outcome.reason = f"{v['decision']} by gate {v['gate']}: {v['evidence'].get('reason', '')}"
+    if detail["state"] == "rolled_back":  # every canary switches back to its staged stable version
+        version = outcome.ref.split("@", 1)[1]
+        t = time.monotonic()
+        while time.monotonic() - t < 30:
+            nodes = fleet.api("GET", "/v1/nodes")
+            if not any(version in (n.get("active") or {}).values() for n in nodes):
+                outcome.back_to_stable_seconds = round(time.monotonic() - t, 1)
+                break
+            time.sleep(0.2)
+        if live is not None:
+            view.update(detail, fleet.api("GET", "/v1/nodes"))
+            live.update(view.render())
 
 
 def _summary_tables(fleet: LocalFleet) -> list[Any]:
@@ -260,18 +273,22 @@ def demo(
         "database": fleet.db_url if (keep or db) else None,
         "error": error,
         "rollouts": [{"bundle": o.ref, "rollout_id": o.rollout_id, "state": o.state, "expected": o.expected,
-                      "reason": o.reason, "seconds": o.seconds,
+                      "reason": o.reason, "seconds": o.seconds, "back_to_stable_seconds": o.back_to_stable_seconds,
                       "verdicts": [{k: v[k] for k in ("stratum", "decision", "gate", "samples")}
                                    for v in o.verdicts]} for o in outcomes],
     }
     if json_out:
         print_json(summary)
     else:
+        console.print()
         for t in tables:
             console.print(t)
         for o in outcomes:
             colour = "green" if o.ok else "red"
-            console.print(f"[{colour}]{o.ref}: {o.state}[/] (expected {o.expected}, {o.seconds}s) {o.reason or ''}")
+            back = (f"; every node back on stable {o.back_to_stable_seconds}s after the decision"
+                    if o.back_to_stable_seconds is not None else "")
+            console.print(f"[{colour}]{o.ref}: {o.state}[/] (expected {o.expected}, {o.seconds}s) "
+                          f"{o.reason or ''}{back}")
         if audit_cmd:
             console.print(f"query the changelog again: [bold]{audit_cmd}[/]")
         else:

@@ -34,6 +34,7 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
                       "llm-fused@1.2.0-fault.drift": "rolled_back"}
     fault = next(r for r in summary["rollouts"] if r["bundle"].endswith("fault.drift"))
     assert any(v["decision"] == "rollback" and v["gate"] == "numeric" for v in fault["verdicts"]), fault
+    assert fault["back_to_stable_seconds"] is not None  # every canary switched back to stable
     candidate = next(r for r in summary["rollouts"] if r["bundle"].endswith("@1.1.0"))
     assert [v["decision"] for v in candidate["verdicts"]].count("promote") >= 1
 
