@@ -156,6 +156,8 @@ def _run_rollout(fleet: LocalFleet, view: DemoView, live: Live | None, outcome: 
     if decisive:  # the judge's (or operator's) deciding verdict, else the rollout's own reason
         v = decisive[0]
         outcome.reason = f"{v['decision']} by gate {v['gate']}: {v['evidence'].get('reason', '')}".rstrip(": ")
+    elif operator_full:
+        outcome.reason = "promoted fully by the operator (first version: no baseline to judge against)"
     elif detail.get("reason"):
         outcome.reason = detail["reason"]
     if detail["state"] == "rolled_back":  # every canary switches back to its staged stable version
