@@ -49,6 +49,7 @@ from controller.sim_fleet_scenarios import (
     get_scenario,
     stratum_of,
 )
+from kernelctl.procs import wait_port_file, wait_ready
 
 BUNDLE = "llm-fused"
 BASELINE = "1.0.0"
@@ -261,21 +262,12 @@ class Controller:
                 [*serve_command(), "--host", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file)],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise SimError(f"controller exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if port_file.exists():
-                self.port = int(port_file.read_text().strip())
-                try:
-                    if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise SimError(f"controller not ready in {timeout:g}s:\n{self.log_tail()}")
-            time.sleep(0.1)
+        try:
+            self.port = wait_port_file(port_file, self.proc, timeout)
+            wait_ready(self.url, self.proc, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            self.kill()
+            raise SimError(f"controller not ready: {exc}:\n{self.log_tail()}") from None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
