@@ -2,10 +2,14 @@
 
 One main thread heartbeats every ``heartbeat_seconds`` (it blocks in ``Event.wait`` in between: no busy
 loop), downloads + verifies + stages missing versions, switches the published active version atomically (a
-rollback is a switch to the staged stable, at once) and flushes the report outbox. Trials run one at a time
-in a helper thread that owns the trial child; the duty cycle and the memory headroom are checked before a
-trial starts. SIGTERM (``request_stop``) kills a running trial's process group, keeps the outbox and ends
-the loop; a restarted agent resumes from its cache dir (node token, outbox, staged bundles, last trial).
+rollback is a switch to the staged stable, at once) and flushes the report outbox. Trial before serve: the
+controller names a canary's candidate as the active version only after it accepted this node's
+hard-gates-passed trial report, so the agent heartbeats again at once after a report was acknowledged while
+a candidate waits (the switch follows within one round trip) and after every switch (the controller learns
+what serves). Trials run one at a time in a helper thread that owns the trial child; the duty cycle and
+the memory headroom are checked before a trial starts. SIGTERM (``request_stop``) kills a running trial's
+process group, keeps the outbox and ends the loop; a restarted agent resumes from its cache dir (node token,
+outbox, staged bundles, last trial).
 """
 
 from __future__ import annotations
@@ -235,9 +239,15 @@ class Agent:
         self._last_heartbeat_ok = time.monotonic()
         self.heartbeat_seconds = reply.heartbeat_seconds
         self.desired = list(reply.desired)
-        self._apply(self.desired)
-        self._flush()
+        switched = self._apply(self.desired)
+        flushed = self._flush()
+        if switched or (flushed and self._awaiting_serve()):
+            self._wake.set()  # report the switch / fetch the verdict on a pre-serve trial now
         self._maybe_trial()
+
+    def _awaiting_serve(self) -> bool:
+        """A candidate is staged for its pre-serve trial: it is desired, but not (yet) the active version."""
+        return any(d.trial is not None and d.active != d.trial.candidate for d in self.desired)
 
     def _heartbeat_request(self) -> HeartbeatRequest:
         staged, seen = [], set()
@@ -254,7 +264,7 @@ class Agent:
 
     @staticmethod
     def _refs(d: DesiredBundle) -> list[BundleRef]:
-        refs = [d.active]
+        refs = [d.active] if d.active is not None else []
         if d.stable is not None:
             refs.append(d.stable)
         if d.trial is not None:
@@ -307,14 +317,18 @@ class Agent:
         self.metrics.trials.labels("load_error").inc()
         self.metrics.outbox_depth.set(self.outbox.depth())
 
-    def _apply(self, desired: list[DesiredBundle]) -> None:
+    def _apply(self, desired: list[DesiredBundle]) -> bool:
+        """Stage and publish the desired state; True when the published active versions changed."""
         assert self.cache is not None and self.outbox is not None
         new_active = dict(self.active)
         new_stable = dict(self.stable)
+        unserved: set[str] = set()
         for d in desired:
             if d.stable is not None:
                 self._ensure(d.stable, None)
-            if self._ensure(d.active, d.trial if d.trial and d.trial.candidate == d.active else None):
+            if d.active is None:
+                unserved.add(d.name)  # a first version before its pre-serve trial passed: serve none
+            elif self._ensure(d.active, d.trial if d.trial and d.trial.candidate == d.active else None):
                 new_active[d.name] = d.active
             elif d.stable is not None and self.cache.has(d.stable):
                 new_active[d.name] = d.stable  # the desired active is unavailable: serve the stable version
@@ -324,7 +338,7 @@ class Agent:
                 self._ensure(d.trial.candidate, d.trial)
                 if d.trial.stable is not None:
                     self._ensure(d.trial.stable, None)
-        wanted = {d.name for d in desired}
+        wanted = {d.name for d in desired} - unserved
         for name in sorted(set(new_active) - wanted):
             if name in new_stable and self.cache.has(new_stable[name]) and new_active[name] != new_stable[name]:
                 log.warning("%s is no longer desired: falling back to its stable %s", name, new_stable[name].version)
@@ -332,6 +346,7 @@ class Agent:
             elif name not in new_stable:
                 self._withdraw(name)
                 new_active.pop(name)
+        before = dict(self.active)
         if new_active != self.active or new_stable != self.stable:
             for name, ref in new_active.items():
                 old = self.active.get(name)
@@ -341,6 +356,7 @@ class Agent:
             self.active, self.stable = new_active, new_stable
             self.outbox.set_state("active", {k: v.model_dump() for k, v in new_active.items()})
             self.outbox.set_state("stable", {k: v.model_dump() for k, v in new_stable.items()})
+        switched = new_active != before
         # a running trial whose candidate was withdrawn (rolled back, superseded) is stopped
         t = self._trial
         if t is not None:
@@ -356,6 +372,7 @@ class Agent:
             keep |= {r.digest for r in (t.spec.candidate, t.spec.stable) if r is not None}
         if desired:
             self.cache.gc(keep)
+        return switched
 
     def _withdraw(self, name: str) -> None:
         """No version of ``name`` is desired and none is stable (a first rollout rolled back)."""
@@ -448,9 +465,10 @@ class Agent:
             self._wake.set()  # flush the report now, not at the next heartbeat
 
     # --------------------------------------------------------------------------------------- reports
-    def _flush(self) -> None:
+    def _flush(self) -> int:
+        """Send pending reports; returns how many the controller acknowledged."""
         if self.client is None or self.outbox is None:
-            return
+            return 0
         client, outbox = self.client, self.outbox
 
         def send(batch: list[TrialReport]) -> None:
@@ -468,6 +486,7 @@ class Agent:
             self.metrics.reports_sent.inc(n)
             log.info("%d report(s) acknowledged", n)
         self.metrics.outbox_depth.set(outbox.depth())
+        return n
 
     def _flush_singly(self, send: Callable[[list[TrialReport]], None]) -> int:
         assert self.outbox is not None

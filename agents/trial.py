@@ -31,7 +31,15 @@ from pydantic import ValidationError
 
 from agents.inventory import NodeInventory, child_env
 from agents.trial_protocol import TrafficProfile, WorkerResult, WorkerSpec
-from kernelctl.wire import LatencyPair, NumericCheck, TrialReport, TrialSpec
+from kernelctl.wire import (
+    CellResources,
+    CellWeight,
+    E2EPair,
+    LatencyPair,
+    NumericCheck,
+    TrialReport,
+    TrialSpec,
+)
 
 log = logging.getLogger("kernelctl.agent.trial")
 
@@ -98,11 +106,25 @@ def worker_spec(
         fuzz_shapes=p.fuzz_shapes if p.fuzz_shapes is not None else (2 if cpu else 4),
         dtypes=p.dtypes,
         latency_dtype=p.latency_dtype,
-        e2e=True if p.e2e is None else p.e2e,
+        # the decoder block end to end: by default on GPUs only (under the interpreter its time is Python)
+        e2e=(not cpu) if p.e2e is None else p.e2e,
+        model=p.model,
         memory_limit_bytes=budget if cpu else None,
+        numerics_max_tokens=p.numerics_max_tokens or 2048,
+        e2e_rounds=p.e2e_rounds,
         agent_pid=os.getpid(),
         progress_path=str(workdir / "progress.json"),
     )
+
+
+def cell_weights(result: WorkerResult, profile: TrafficProfile | None) -> list[CellWeight]:
+    """How often each measured (op, tokens) cell runs per serving step, from the node's traffic profile:
+    ``op_calls_per_step[op]`` (default 1) times ``batch_share[tokens]`` (default 1: sizes equally often)."""
+    p = profile or TrafficProfile()
+    calls, share = p.op_calls_per_step or {}, p.batch_share or {}
+    cells = sorted({(pair["op"], int(pair["tokens"])) for pair in result.latency})
+    return [CellWeight(op=op, tokens=t, weight=float(calls.get(op, 1.0)) * float(share.get(str(t), 1.0)))
+            for op, t in cells]
 
 
 class TrialRunner:
@@ -221,6 +243,10 @@ class TrialRunner:
                 e2e_candidate_s=result.e2e_candidate_s,
                 launches_per_call=result.launches_per_call,
                 peak_memory_bytes=result.peak_memory_bytes,
+                resources=[CellResources(**r) for r in result.resources],
+                weights=cell_weights(result, self.cfg.profile),
+                e2e_pairs=[E2EPair(**p) for p in result.e2e_pairs],
+                free_memory_bytes=result.free_memory_bytes,
                 detail=result.detail[:8192],
             )
         except ValidationError as exc:

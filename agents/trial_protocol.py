@@ -24,6 +24,26 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ModelProfile(_Model):
+    """A model architecture the end-to-end trial builds from its config (random weights, nothing downloaded);
+    measured by ``kernelpack.harness.model_e2e`` (serving, issue 17). Unset sizes: transformers' defaults."""
+
+    architecture: Literal["llama"] = "llama"
+    hidden_size: int = Field(ge=8)
+    intermediate_size: int = Field(ge=8)
+    num_hidden_layers: int = Field(ge=1, le=256)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=8)
+    vocab_size: int = Field(32000, ge=2)
+    max_position_embeddings: int = Field(8192, ge=16)
+    rms_norm_eps: float | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    dtype: DTypeName | None = Field(None, description="default: bf16 on GPUs, fp32 on CPU")
+    max_cache_len: int | None = Field(None, ge=2, description="static KV cache length of the decode timing")
+    decode_steps: int | None = Field(None, ge=1, le=4096, description="decode steps per timed window")
+
+
 class TrafficProfile(_Model):
     """``--profile`` file (JSON or TOML): overrides the trial shapes and effort the controller asked for."""
 
@@ -34,7 +54,22 @@ class TrafficProfile(_Model):
     dtypes: list[DTypeName] | None = Field(None, description="dtypes checked for numerics (default: all)")
     latency_dtype: DTypeName | None = None
     e2e: bool | None = Field(None, description="measure the decoder block end to end")
+    model: ModelProfile | None = Field(None, description="measure this model end to end instead of the block")
     memory_limit_mb: int | None = Field(None, ge=64, description="CPU only: address-space budget of the child")
+    numerics_max_tokens: int | None = Field(
+        None, ge=1, le=1 << 20, description="CPU only: token count cap of the production-shape numerics")
+    op_calls_per_step: dict[str, float] | None = Field(
+        None, description="traffic weights: calls of each op per serving step (default 1 each)")
+    batch_share: dict[str, float] | None = Field(
+        None, description="traffic weights: share of serving steps at each token count (default equal)")
+    e2e_rounds: int | None = Field(None, ge=1, le=1000, description="rounds of the end-to-end block timing")
+
+    @field_validator("op_calls_per_step", "batch_share")
+    @classmethod
+    def _weights(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and any(not (0 <= x < 1e9) for x in v.values()):
+            raise ValueError("weights must be finite and >= 0")
+        return v
 
     @field_validator("batch_sizes", "prefill_tokens")
     @classmethod
@@ -82,7 +117,10 @@ class WorkerSpec(_Model):
     dtypes: list[DTypeName] | None = None
     latency_dtype: DTypeName | None = None
     e2e: bool = True
+    model: ModelProfile | None = None  # serving (issue 17): end to end on this model instead of the block
     memory_limit_bytes: int | None = None  # CPU: RLIMIT_AS budget above the child's footprint after imports
+    numerics_max_tokens: int = 2048
+    e2e_rounds: int | None = None
     agent_pid: int | None = None
     progress_path: str | None = None
 
@@ -97,6 +135,9 @@ class WorkerResult(_Model):
     e2e_candidate_s: float | None = None
     launches_per_call: dict[str, int] = Field(default_factory=dict)
     peak_memory_bytes: int | None = None
+    resources: list[dict[str, Any]] = Field(default_factory=list)  # per (op, tokens): both versions
+    e2e_pairs: list[dict[str, float]] = Field(default_factory=list)
+    free_memory_bytes: int | None = None
     seconds: dict[str, float] = Field(default_factory=dict)  # time spent per phase
 
 

@@ -15,6 +15,7 @@ address space (RLIMIT_AS) so a runaway allocation fails as a real allocation fai
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import os
 import random
@@ -165,6 +166,7 @@ class Worker:
         self.cand = {n: (b.op, b.config) for n, b in cand.ops.items() if b.supported}
         self.stable = {n: (b.op, b.config) for n, b in stable.ops.items() if b.supported} if stable else {}
         self.cand_bundle = cand
+        self.stable_bundle = stable
         self._numerics()
         if self.result.outcome != "ok":
             return
@@ -176,7 +178,7 @@ class Worker:
         allowed = [d for d in op.domain.dtypes if d in op.tolerances]
         return [d for d in allowed if self.spec.dtypes is None or d in self.spec.dtypes]
 
-    def _record(self, results: list[Any]) -> None:
+    def _record(self, results: list[Any], kind: str, case: str | None = None) -> None:
         for r in results:
             self.result.numerics.append({
                 "op": r.op, "dtype": r.dtype, "shape": {k: int(v) for k, v in r.shape.items()},
@@ -186,9 +188,22 @@ class Worker:
                 "unwritten": int(r.unwritten),
                 "vs_stable_max_abs": None if r.against_max_abs_diff is None else _clamp(r.against_max_abs_diff),
                 "vs_stable_within": r.against_within_tolerance,
+                "kind": kind, "case": case, "nonfinite": int(r.nonfinite),
             })
 
+    def _contract(self, name: str) -> Any:
+        """The candidate op judged under the stricter of its own and the stable version's tolerances."""
+        from kernelpack.harness.edge import stricter
+
+        op = self.cand[name][0]
+        st = self.stable.get(name)
+        if st is None:
+            return op
+        tols = {d: stricter(t, st[0].tolerances.get(d)) for d, t in op.tolerances.items()}
+        return dataclasses.replace(op, tolerances=tols)
+
     def _numerics(self) -> None:
+        from kernelpack.harness.edge import check_edge, check_production
         from kernelpack.harness.golden import check_golden
         from kernelpack.harness.numerics import check_numerics, fuzz_shapes
 
@@ -199,7 +214,14 @@ class Worker:
                     continue
                 op, cfg = self.cand[g.op]
                 blob = (self.cand_bundle.root / g.path).read_bytes()
-                self._record(check_golden(op, cfg, blob, device=self.device))
+                self._record(check_golden(self._contract(g.op), cfg, blob, device=self.device), "golden")
+            if self.stable_bundle is not None:  # the stable version's vectors bind the candidate too
+                for g in self.stable_bundle.manifest.golden:
+                    if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
+                        continue
+                    blob = (self.stable_bundle.root / g.path).read_bytes()
+                    self._record(check_golden(self._contract(g.op), self.cand[g.op][1], blob, device=self.device),
+                                 "stable_golden")
         rng = random.Random(spec.seed)
         with self.phase("fuzz"):
             for k, name in enumerate(sorted(self.cand)):
@@ -209,15 +231,50 @@ class Worker:
                 against = self.stable.get(name)
                 for j, dtype in enumerate(self._dtypes(op)):
                     shapes = fuzz_shapes(op, spec.fuzz_shapes, rng)
-                    self._record(check_numerics(op, cfg, dtype, shapes, device=self.device,
-                                                seed=spec.seed + 1000 * k + 100 * j, against=against))
+                    self._record(check_numerics(self._contract(name), cfg, dtype, shapes, device=self.device,
+                                                seed=spec.seed + 1000 * k + 100 * j, against=against), "fuzz")
+        from kernelpack.kernels.spec import DomainError
+
+        with self.phase("edge"):  # edge values, every op and dtype of its domain, small shape
+            for k, name in enumerate(sorted(self.cand)):
+                op, cfg = self.cand[name]
+                if not op.test_shapes:
+                    continue
+                shape = dict(min(op.test_shapes, key=lambda s: math.prod(s.values())))
+                for j, dtype in enumerate(self._dtypes(op)):
+                    try:
+                        outs = check_edge((op, cfg), self.stable.get(name), dtype, shape, device=self.device,
+                                          seed=spec.seed + 5000 + 100 * k + j)
+                    except DomainError as exc:
+                        self.notes.append(f"{name} {dtype}: edge values skipped: {exc}")
+                        continue
+                    for o in outs:
+                        self._record([o.result], "edge", o.case)
+        with self.phase("production"):  # the shapes the latency phase times, candidate vs stable
+            for k, name in enumerate(sorted(self.cand)):
+                op, cfg = self.cand[name]
+                dtype = self._latency_dtype(op)
+                tol = self._contract(name).tolerances.get(dtype)
+                for j, shape in enumerate(self._production_shapes(op, dtype)):
+                    try:
+                        res, notes = check_production((op, cfg), self.stable.get(name), dtype, shape,
+                                                      device=self.device, seed=spec.seed + 9000 + 100 * k + j,
+                                                      token_dim=token_dim(shape), tolerance=tol)
+                    except DomainError as exc:
+                        self.notes.append(f"{name}: production numerics at {shape} skipped: {exc}")
+                        continue
+                    self.notes.extend(notes)
+                    self._record(res, "production")
+                    if self.device.type == "cuda":
+                        torch_empty_cache()
         bad = [c for c in self.result.numerics if not c["within_tolerance"]]
         if bad:
             c = bad[0]
             self.result.outcome = "numeric_error"
             self.notes.append(
-                f"{len(bad)} numeric check(s) over tolerance; first: {c['op']} {c['dtype']} {c['shape']} "
-                f"max_abs_err={c['max_abs_err']:.3g} unwritten={c['unwritten']}"
+                f"{len(bad)} numeric check(s) over tolerance; first: {c['kind']}{'/' + c['case'] if c['case'] else ''}"
+                f" {c['op']} {c['dtype']} {c['shape']} max_abs_err={c['max_abs_err']:.3g} "
+                f"nonfinite={c['nonfinite']} unwritten={c['unwritten']}"
             )
             return
         mism = [c for c in self.result.numerics if c["vs_stable_within"] is False]
@@ -225,9 +282,28 @@ class Worker:
             c = mism[0]
             self.result.outcome = "mismatch"
             self.notes.append(
-                f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['op']} {c['dtype']} "
+                f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['kind']} {c['op']} {c['dtype']} "
                 f"{c['shape']} max |candidate-stable|={c['vs_stable_max_abs']:.3g}"
             )
+
+    def _production_shapes(self, op: Any, dtype: str) -> list[dict[str, int]]:
+        """GPU: every shape the latency phase times. CPU (interpreter): the small test shape at the profile's
+        largest token count, capped at ``numerics_max_tokens`` (rows past the first thousand by default)."""
+        from kernelpack.kernels.spec import DTYPES, DomainError
+
+        if self.device.type == "cuda":
+            return self._shapes(op, dtype)
+        sizes = list(self.spec.batch_sizes) + list(self.spec.prefill_tokens)
+        if not sizes or not op.test_shapes:
+            return []
+        base = dict(min(op.test_shapes, key=lambda s: math.prod(s.values())))
+        dim = token_dim(base)
+        tokens = min(max(sizes), self.spec.numerics_max_tokens)
+        try:
+            op.domain.check(DTYPES[dtype], {**base, dim: tokens})
+        except DomainError:
+            return []
+        return [{**base, dim: tokens}]
 
     # ----------------------------------------------------------------------------------- latency
     def _latency_dtype(self, op: Any) -> str:
@@ -292,12 +368,8 @@ class Worker:
         return shape
 
     def _latency(self) -> None:
-        from kernelpack.harness.bench import (
-            count_launches,
-            launches_per_call,
-            paired_latency,
-            peak_memory_bytes,
-        )
+        from kernelpack.harness.bench import count_launches, paired_latency, peak_memory_bytes
+        from kernelpack.harness.bench import launches_per_call as measure_launches
         from kernelpack.harness.numerics import make_generator, resolve_dtype
 
         spec = self.spec
@@ -310,35 +382,30 @@ class Worker:
             plan.append((name, dtype, shapes, self._capacity_shape(op, dtype, shapes)))
         from kernelpack.kernels.spec import DomainError
 
-        peak = 0
-        with self.phase("capacity"):  # launches per call and peak memory, at production batch sizes
+        with self.phase("capacity"):  # launches per call and peak memory of both versions, per cell
+            self.result.free_memory_bytes = self._free_memory()
+            peak = 0
             for name, dtype, shapes, cap in plan:
-                op, cfg = self.cand[name]
-                tries = [cap] if cap is not None else []
-                tries += sorted(shapes, key=lambda s: -math.prod(s.values()))
-                for shape in tries:
-                    inputs = op.make_inputs(dict(shape), resolve_dtype(dtype), self.device,
-                                            make_generator(self.device, spec.seed))
-
-                    def call(op: Any = op, cfg: Any = cfg, inputs: Any = inputs) -> None:
-                        op.run(inputs, op.alloc_outputs(inputs), cfg)
-
+                cells = {}
+                for shape in ([cap] if cap is not None else []) + list(shapes):
+                    cells.setdefault(int(shape[token_dim(shape)]), shape)
+                for tokens, shape in sorted(cells.items()):
+                    row: dict[str, Any] = {"op": name, "tokens": tokens}
                     try:
-                        if self.device.type == "cuda":
-                            launches = launches_per_call(op, cfg, inputs)  # warmed up: compiles not counted
-                            peak = max(peak, int(peak_memory_bytes(call, device=self.device)))
-                        else:  # the interpreter is slow: launches and memory from one single call
-                            with count_launches() as counter:
-                                peak = max(peak, int(peak_memory_bytes(call, device=self.device)))
-                            launches = counter[0]
+                        for role, versions in (("candidate", self.cand), ("stable", self.stable)):
+                            if name not in versions:
+                                continue
+                            launches, mem = self._capacity(versions[name], dtype, shape, measure_launches, peak_memory_bytes,
+                                                           count_launches, make_generator, resolve_dtype)
+                            row[f"{role}_launches"], row[f"{role}_peak_bytes"] = launches, mem
                     except DomainError as exc:  # the shape, not the kernel: an op-specific constraint
                         self.notes.append(f"{name}: capacity shape {shape} skipped: {exc}")
                         continue
-                    finally:
-                        del inputs
-                    self.result.launches_per_call[name] = int(launches)
-                    break
-        self.result.peak_memory_bytes = peak
+                    self.result.resources.append(row)
+                    peak = max(peak, row["candidate_peak_bytes"])
+                    self.result.launches_per_call[name] = max(self.result.launches_per_call.get(name, 0),
+                                                              row["candidate_launches"])
+            self.result.peak_memory_bytes = peak
         with self.phase("latency"):
             for k, (name, dtype, shapes, _cap) in enumerate(plan):
                 if not shapes:
@@ -361,8 +428,48 @@ class Worker:
                             "stable_s": max(p.stable_s, 1e-9), "candidate_s": max(p.candidate_s, 1e-9),
                         })
 
+    def _capacity(self, version: Any, dtype: str, shape: dict[str, int], measure_launches: Any, peak_fn: Any,
+                  count_launches: Any, make_generator: Any, resolve_dtype: Any) -> tuple[int, int]:
+        """(launches per call, peak bytes) of one version at one shape, on identical seeded inputs."""
+        op, cfg = version
+        op.domain.check(resolve_dtype(dtype), shape)
+        inputs = op.make_inputs(dict(shape), resolve_dtype(dtype), self.device,
+                                make_generator(self.device, self.spec.seed))
+
+        def call() -> None:
+            op.run(inputs, op.alloc_outputs(inputs), {**op.default_config, **cfg})
+
+        if self.device.type == "cuda":
+            launches = measure_launches(op, cfg, inputs)  # warmed up: compiles not counted
+            mem = int(peak_fn(call, device=self.device))
+        else:  # the interpreter is slow: launches and memory from one single call
+            with count_launches() as counter:
+                mem = int(peak_fn(call, device=self.device))
+            launches = counter[0]
+        return int(launches), mem
+
+    def _free_memory(self) -> int | None:
+        """The node's free memory for kernels: free device memory on a GPU, the child's budget on CPU."""
+        if self.device.type == "cuda":
+            import torch
+
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        if self.spec.memory_limit_bytes:
+            return int(self.spec.memory_limit_bytes)
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
     def _e2e(self) -> None:
         if not self.spec.e2e or not self.stable:
+            return
+        if self.spec.model is not None:  # serving (issue 17): a real model architecture from the profile
+            self._model_e2e()
             return
         from kernelpack.harness.decoder_block import STAGE_OPS, decoder_block_latency
 
@@ -372,11 +479,13 @@ class Worker:
         with self.phase("e2e"):
             if self.device.type == "cuda":
                 tokens = min(spec.prefill_tokens) if spec.prefill_tokens else 512
+                # interleaved ABBA rounds of CUDA-graph replays: the per-report sample is the median round
                 kw: dict[str, Any] = {"tokens": tokens, "hidden": 4096, "heads": 32, "head_dim": 128,
-                                      "intermediate": 14336, "dtype": "bf16", "rounds": spec.rounds}
+                                      "intermediate": 14336, "dtype": "bf16", "graphs": True,
+                                      "rounds": spec.e2e_rounds or max(spec.rounds, 9)}
             else:
                 kw = {"tokens": 2, "hidden": 32, "heads": 2, "head_dim": 16, "intermediate": 64,
-                      "dtype": "fp32", "rounds": 1}
+                      "dtype": "fp32", "rounds": spec.e2e_rounds or 3}
             from kernelpack.kernels.spec import DomainError
 
             def usable(ops: dict[str, Any]) -> dict[str, Any]:  # ops that accept the block's dtype
@@ -395,6 +504,10 @@ class Worker:
                     self.notes.append(f"decoder block runs {bad} eager: {exc}")
                     stable.pop(bad, None)
                     cand.pop(bad, None)
+            self.result.e2e_pairs = [{"stable_s": max(a, 1e-9), "candidate_s": max(b, 1e-9)}
+                                     for a, b in zip(res.a_s, res.b_s, strict=True)]
+            if self.device.type == "cuda" and not res.graphed:
+                self.notes.append("decoder block timed eagerly (CUDA graph capture failed)")
             self.result.e2e_stable_s = max(sorted(res.a_s)[len(res.a_s) // 2], 1e-9)
             self.result.e2e_candidate_s = max(sorted(res.b_s)[len(res.b_s) // 2], 1e-9)
             if res.within_tolerance_a and not res.within_tolerance_b:
@@ -405,12 +518,44 @@ class Worker:
                 )
 
 
+    def _model_e2e(self) -> None:
+        """Stable vs candidate on the profile's model (kernelpack.harness.model_e2e): TTFT at the prefill
+        sizes, time per output token at the decode batch sizes, top-k log-prob agreement. e2e_*_s carry the
+        median TTFT at the smallest prefill size; the whole summary goes into the notes as ``model_e2e {json}``."""
+        import json
+
+        from kernelpack.harness.model_e2e import LOGPROB_BOUND, trial_model_e2e
+
+        spec, model = self.spec, self.spec.model
+        assert model is not None
+        with self.phase("e2e"):
+            cpu = self.device.type == "cpu"
+            res = trial_model_e2e(model.model_dump(), self.stable, self.cand, device=self.device,
+                                  prefill_tokens=sorted(spec.prefill_tokens)[:1 if cpu else None] or [8],
+                                  decode_batches=sorted(spec.batch_sizes)[:1 if cpu else None] or [1],
+                                  rounds=spec.rounds, seed=spec.seed)
+            first = res.prefill[0]
+            self.result.e2e_stable_s = max(sorted(first["a_s"])[len(first["a_s"]) // 2], 1e-9)
+            self.result.e2e_candidate_s = max(sorted(first["b_s"])[len(first["b_s"]) // 2], 1e-9)
+            self.notes.append("model_e2e " + json.dumps(res.summary(), separators=(",", ":")))
+            if res.logprob_max_abs_diff > LOGPROB_BOUND[res.dtype]:
+                self.result.outcome = "numeric_error"
+                self.notes.append(f"model end to end: candidate log-probs differ from stable's by up to "
+                                  f"{res.logprob_max_abs_diff:.3g} nats (bound {LOGPROB_BOUND[res.dtype]})")
+
+
 TOKEN_DIMS = ("tokens", "q", "seq")
 
 
 def token_dim(shape: dict[str, int]) -> str:
     """The dimension that scales with traffic (tokens per call); the first dim when none is named so."""
     return next((d for d in TOKEN_DIMS if d in shape), next(iter(shape)))
+
+
+def torch_empty_cache() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
 
 
 def _clamp(v: float) -> float:

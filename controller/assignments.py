@@ -6,6 +6,14 @@ that order. The blast radius is honoured across ALL active rollouts: at most ``m
 fleet, and ``max_label_share`` of the nodes carrying any one value of each ``blast_radius_labels`` key, run a
 non-stable kernel at once (at least one node per group, so tiny groups are not blocked forever). A step that
 asks for more is clamped and the clamp is returned for the verdict evidence. Switches are set-based UPDATEs.
+
+Trial before serve: a new canary's assignment starts in phase ``staged`` (the heartbeat reply keeps the
+stable version active and asks for a trial of the candidate); :func:`mark_verified` (called by report
+ingestion) moves it to ``verified`` once a hard-gates-passed report of this node is accepted and its stratum
+has no hard failure; the next reply makes the candidate active, and the node reporting it active makes it
+``serving`` (:func:`advance_phases`, which also tags the node's activation with the rollout and the time its
+trial was accepted). A plan with ``serve_before_trial`` serves the candidate at once (staged -> serving).
+Rollback and promotion clear the phase.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from controller.changelog import record_event
 from controller.compat import (
     NodeInfo,
     bundle_targets,
@@ -28,7 +37,7 @@ from controller.compat import (
     node_rejection,
     node_stratum,
 )
-from controller.db.models import Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
+from controller.db.models import Activation, Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
 from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
 
@@ -156,7 +165,7 @@ def _set_candidate(session: Session, node_ids: list[int], rollout: Rollout, base
     existing = set(session.scalars(select(Assignment.node_id).where(
         Assignment.bundle_name == name, Assignment.node_id.in_(node_ids))))
     values = {"desired_bundle_id": rollout.bundle_id, "rollout_id": rollout.id,
-              "stable_bundle_id": baseline_id, "updated_at": now}
+              "stable_bundle_id": baseline_id, "phase": "staged", "phase_at": now, "updated_at": now}
     if existing:
         session.execute(update(Assignment).where(Assignment.bundle_name == name,
                                                  Assignment.node_id.in_(existing)).values(**values),
@@ -176,7 +185,8 @@ def revert_to_stable(session: Session, rollout_id: int, strata: set[str] | None,
             return 0
         stmt = stmt.where(Assignment.node_id.in_(ids))
     res = session.execute(
-        stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, updated_at=now),
+        stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, phase=None, phase_at=now,
+                    updated_at=now),
         execution_options={"synchronize_session": False})
     return int(res.rowcount or 0)
 
@@ -199,7 +209,8 @@ def make_stable(session: Session, rollout: Rollout, stratum: str, *, now: dt.dat
     ids = sorted(set(ids))
     if not ids:
         return 0
-    values = {"stable_bundle_id": bundle.id, "desired_bundle_id": bundle.id, "rollout_id": None, "updated_at": now}
+    values = {"stable_bundle_id": bundle.id, "desired_bundle_id": bundle.id, "rollout_id": None, "phase": None,
+              "updated_at": now}
     existing = set(session.scalars(select(Assignment.node_id).where(
         Assignment.bundle_name == bundle.name, Assignment.node_id.in_(ids))))
     if existing:
@@ -257,16 +268,74 @@ def _sync_stable(session: Session, node: Node, rows: dict[str, Assignment], now:
         a.updated_at = now
 
 
+def advance_phases(session: Session, node: Node, rows: dict[str, Assignment], now: dt.datetime) -> None:
+    """Follow what the node reports active: a canary whose candidate it runs is ``serving``.
+
+    Called on every heartbeat after the reported versions were stored. A candidate that becomes serving tags
+    the node's open activation with its rollout and the time its pre-serve trial was accepted (None when the
+    plan served it before its trial), so the audit tells a verified serve from an unverified one. A node that
+    stops reporting a serving candidate (a restart that lost its state) falls back to ``verified``: it may
+    serve it, and the next reply asks it to.
+    """
+    for a in rows.values():
+        if a.rollout_id is None or a.desired_bundle_id is None or a.desired_bundle_id == a.stable_bundle_id:
+            continue
+        runs = a.active_bundle_id == a.desired_bundle_id
+        if runs and a.phase != "serving":
+            verified_at = a.phase_at if a.phase == "verified" else None
+            a.phase, a.phase_at = "serving", now
+            session.execute(
+                update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == a.bundle_name,
+                                         Activation.bundle_id == a.desired_bundle_id, Activation.ended_at.is_(None))
+                .values(rollout_id=a.rollout_id, verified_at=verified_at),
+                execution_options={"synchronize_session": False})
+        elif not runs and a.phase == "serving":
+            a.phase, a.phase_at = "verified", now
+
+
+def mark_verified(session: Session, node: Node, rollout_ids: set[int], now: dt.datetime) -> list[int]:
+    """Trial before serve: the node's ``staged`` canaries of ``rollout_ids`` become ``verified``.
+
+    ``rollout_ids``: rollouts for which report ingestion just accepted a hard-gates-passed (``ok``) report
+    from ``node``. A stratum with a hard failure (``first_failure_at`` set, by any node) is never verified:
+    it is being rolled back. Returns the rollouts whose canary on this node was verified.
+    """
+    if not rollout_ids:
+        return []
+    stratum = node_stratum(node)
+    rows = session.execute(
+        select(Assignment, Bundle.name, Bundle.version)
+        .join(Bundle, Bundle.id == Assignment.desired_bundle_id)
+        .join(RolloutStratum, and_(RolloutStratum.rollout_id == Assignment.rollout_id,
+                                   RolloutStratum.stratum == stratum))
+        .where(Assignment.node_id == node.id, Assignment.rollout_id.in_(sorted(rollout_ids)),
+               or_(Assignment.phase == "staged", Assignment.phase.is_(None)), RolloutStratum.first_failure_at.is_(None),
+               RolloutStratum.state.in_(("progressing", "paused")))
+    ).all()
+    done: list[int] = []
+    for a, name, version in rows:
+        a.phase, a.phase_at, a.updated_at = "verified", now, now
+        done.append(int(a.rollout_id))  # type: ignore[arg-type]
+        record_event(session, actor=f"node:{node.name}", action="assignment.verified", subject=f"node:{node.name}",
+                     bundle=f"{name}@{version}", node=node.name, rollout_id=a.rollout_id,
+                     reason="pre-serve trial passed the hard gates on this node: it may serve the candidate")
+    return done
+
+
 def desired_state(session: Session, node: Node, *, now: dt.datetime | None = None,
                   rows: dict[str, Assignment] | None = None) -> list[wire.DesiredBundle]:
     """What the node should run for each bundle name (the heartbeat reply).
 
-    ``rows`` (the node's assignments by bundle name) saves a query when the caller already loaded them.
+    A canary's candidate is the active version only once it is ``verified`` or ``serving`` on this node (or
+    the plan says ``serve_before_trial``); until then the stable version stays active (none when the bundle
+    has no stable version) and the candidate is staged for its trial. ``rows`` (the node's assignments by
+    bundle name) saves a query when the caller already loaded them.
     """
     now = now or dt.datetime.now(dt.timezone.utc)
     if rows is None:
         rows = {a.bundle_name: a for a in session.scalars(select(Assignment).where(Assignment.node_id == node.id))}
     _sync_stable(session, node, rows, now)
+    advance_phases(session, node, rows, now)
     ids = {i for a in rows.values() for i in (a.desired_bundle_id, a.stable_bundle_id) if i is not None}
     bundles = {i: b for i in ids if (b := session.get(Bundle, i)) is not None}  # identity map first
     rollout_ids = {a.rollout_id for a in rows.values() if a.rollout_id is not None}
@@ -283,20 +352,24 @@ def desired_state(session: Session, node: Node, *, now: dt.datetime | None = Non
         a = rows[name]
         if a.desired_bundle_id is None:
             continue  # first rollout rolled back: nothing to run, serving code uses its fallback
-        active = bundles[a.desired_bundle_id]
+        desired = bundles[a.desired_bundle_id]
         stable = bundles.get(a.stable_bundle_id) if a.stable_bundle_id is not None else None
         candidate = a.rollout_id is not None and a.desired_bundle_id != a.stable_bundle_id
         trial = None
         rollout = rollouts.get(a.rollout_id) if a.rollout_id is not None else None
-        if candidate and rollout is not None and strata_state.get(rollout.id) in ("progressing", "paused"):
-            plan = load_plan(rollout.plan)
-            batches, prefill = trial_shapes(active.manifest, plan, cpu=is_cpu_node(node))
+        plan = load_plan(rollout.plan) if candidate and rollout is not None else None
+        if plan is not None and rollout is not None and strata_state.get(rollout.id) in ("progressing", "paused"):
+            batches, prefill = trial_shapes(desired.manifest, plan, cpu=is_cpu_node(node))
             trial = wire.TrialSpec(
-                rollout_id=rollout.id, stratum=stratum, candidate=_ref(active),
+                rollout_id=rollout.id, stratum=stratum, candidate=_ref(desired),
                 stable=_ref(stable) if stable is not None else None, batch_sizes=batches,
                 prefill_tokens=prefill, rounds=plan.trial_rounds, interval_seconds=plan.trial_interval_seconds)
-        out.append(wire.DesiredBundle(name=name, active=_ref(active), stable=_ref(stable) if stable else None,
-                                      role="candidate" if candidate else "stable", trial=trial))
+        serve = not candidate or plan is None or plan.serve_before_trial or a.phase in ("verified", "serving")
+        active = desired if serve else stable
+        out.append(wire.DesiredBundle(
+            name=name, active=_ref(active) if active is not None else None,
+            stable=_ref(stable) if stable else None, role="candidate" if candidate else "stable", trial=trial,
+            phase=a.phase if candidate and a.phase in ("staged", "verified", "serving") else None))  # type: ignore[arg-type]
     return out
 
 

@@ -1,12 +1,16 @@
 """Audit queries over the changelog: events by bundle/node/actor/action/time, and what ran on a node at T.
 
 Used by ``kernelctl audit`` (direct, read-only database access) and by ``GET /v1/audit``. Every query is
-served by an index on ``events`` or ``activations`` (see controller.db.models).
+served by an index on ``events`` or ``activations`` (see controller.db.models). "What ran" is what served:
+an activation opens when the node reports a version published to its serving processes (a candidate that
+was only staged for its pre-serve trial never appears); a served candidate names its rollout and when the
+controller accepted the node's pre-serve trial (``verified_at``; empty: the plan served it before its trial).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,19 +37,43 @@ class AuditFilters:
     limit: int = 100
 
 
-def parse_time(value: str) -> dt.datetime:
-    """ISO 8601 (``2026-11-22T10:00:00Z``, a date) or relative (``15m``, ``2h``, ``3d`` ago); UTC if naive."""
-    text = value.strip()
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text and text[-1] in units and text[:-1].isdigit():
-        return dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=int(text[:-1]) * units[text[-1]])
+MAX_AGE_DAYS = 36_500  # a relative age reaches back at most 100 years
+MAX_TIME_TEXT = 64
+EARLIEST = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+LATEST = dt.datetime(9000, 1, 1, tzinfo=dt.timezone.utc)
+_AGE_RE = re.compile(r"^([0-9]{1,12})([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
+    """ISO 8601 (``2026-11-22T10:00:00Z``, a date) or relative (``15m``, ``2h``, ``3d`` ago); UTC if naive.
+
+    Bounded before the date library sees it: ASCII digits only, ages up to 100 years, times between 1970 and
+    9000 (UTC). Anything else raises :class:`AuditQueryError` (never OverflowError or a bare ValueError).
+    """
+    text = str(value).strip()
+    if len(text) > MAX_TIME_TEXT:
+        raise AuditQueryError(f"time value is over {MAX_TIME_TEXT} characters")
+    m = _AGE_RE.match(text)
+    if m:
+        seconds = int(m.group(1)) * _UNITS[m.group(2)]
+        if seconds > MAX_AGE_DAYS * 86400:
+            raise AuditQueryError(f"age {text!r} is over the limit of {MAX_AGE_DAYS} days (100 years)")
+        return (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=seconds)
     try:
-        parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00")) if text.isascii() else None
+        if parsed is not None:
+            parsed = parsed.replace(tzinfo=dt.timezone.utc) if parsed.tzinfo is None else parsed.astimezone(
+                dt.timezone.utc)
+    except (ValueError, OverflowError):
+        parsed = None
+    if parsed is None:
         raise AuditQueryError(
             f"cannot parse time {value!r}: use ISO 8601 (2026-11-22T10:00:00Z) or a relative age (15m, 2h, 3d)"
-        ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+        )
+    if not EARLIEST <= parsed < LATEST:
+        raise AuditQueryError(f"time {value!r} is outside {EARLIEST.year}-{LATEST.year} (UTC)")
+    return parsed
 
 
 def _as_utc(value: dt.datetime | None) -> dt.datetime | None:
@@ -92,7 +120,7 @@ def _require_node(session: Session, name: str) -> Node:
 
 
 def active_at(session: Session, node_name: str, at: dt.datetime) -> list[dict[str, Any]]:
-    """Which bundle versions were active on ``node_name`` at time ``at`` (one row per bundle name)."""
+    """Which bundle versions served on ``node_name`` at time ``at`` (one row per bundle name)."""
     node = _require_node(session, node_name)
     at = _as_utc(at)  # type: ignore[assignment]
     stmt = (
@@ -113,13 +141,15 @@ def active_at(session: Session, node_name: str, at: dt.datetime) -> list[dict[st
             "digest": bundle.digest,
             "active_since": act.started_at,
             "active_until": act.ended_at,
+            "rollout_id": act.rollout_id,  # set when it served as a canary's candidate
+            "verified_at": act.verified_at,  # when that node's pre-serve trial was accepted
         }
         for act, bundle in session.execute(stmt)
     ]
 
 
 def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
-    """Every node that ever had ``NAME@VERSION`` active, with its first and last activation."""
+    """Every node that ever served ``NAME@VERSION``: one row per activation (staged-only nodes are absent)."""
     name, _, version = bundle_ref.partition("@")
     if not version:
         raise AuditQueryError(f"expected NAME@VERSION, got {bundle_ref!r}")
@@ -127,12 +157,13 @@ def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
     if bundle is None:
         raise AuditQueryError(f"unknown bundle {bundle_ref!r}")
     stmt = (
-        select(Node.name, Activation.started_at, Activation.ended_at)
+        select(Node.name, Activation.started_at, Activation.ended_at, Activation.rollout_id, Activation.verified_at)
         .join(Node, Node.id == Activation.node_id)
         .where(Activation.bundle_id == bundle.id)
         .order_by(Node.name, Activation.started_at)
     )
-    return [{"node": n, "started_at": s, "ended_at": e} for n, s, e in session.execute(stmt)]
+    return [{"node": n, "started_at": s, "ended_at": e, "rollout_id": r, "verified_at": v}
+            for n, s, e, r, v in session.execute(stmt)]
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:

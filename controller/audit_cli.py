@@ -21,7 +21,7 @@ from controller.audit import (
 )
 from controller.db.cli import DbOption, resolve_db
 from controller.db.engine import check_schema_current, make_engine, session_factory
-from kernelctl.console import EXIT_USAGE, console, database_errors, fail, print_json
+from kernelctl.console import EXIT_USAGE, console, database_errors, fail, print_json, safe
 
 
 class OutputFormat(str, Enum):
@@ -95,5 +95,5 @@ def _emit(rows: list[dict[str, Any]], fmt: OutputFormat, title: str) -> None:
     for col in shown:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*["" if row.get(c) is None else str(row.get(c)) for c in shown])
+        table.add_row(*[safe("" if row.get(c) is None else row.get(c)) for c in shown])  # stored text: literal
     console.print(table)

@@ -1,12 +1,15 @@
 """API tokens: creation (plaintext shown once, SHA-256 stored), authentication, roles, bootstrap file.
 
-Roles: ``agent`` (an enrollment token with no node may only register; a node token acts only for its
-node), ``operator`` (push, start, promote, rollback, pause, resume; also reads), ``viewer`` (read, audit).
-The plaintext of a token is never stored and never logged.
+Roles: ``agent`` (an enrollment token with no node may only register *new* nodes; a node token acts only for
+its node), ``operator`` (push, start, promote, rollback, pause, resume; also reads), ``viewer`` (read, audit).
+The plaintext of a token is never stored and never logged. Lifecycle: a token may carry an expiry
+(``expires_at``); issuing a node token (:func:`issue_node_token`) revokes every earlier token of that node;
+:func:`revoke_token` / :func:`list_tokens` back ``kernelctl token revoke | list``.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
 import re
@@ -71,12 +74,13 @@ def _check_name(name: str) -> None:
         )
 
 
-def _add_token(session: Session, role: str, name: str, node: str | None, token: str, actor: str) -> ApiToken:
+def _add_token(session: Session, role: str, name: str, node: str | None, token: str, actor: str,
+               expires_at: dt.datetime | None = None) -> ApiToken:
     _check_role(role)
     _check_name(name)
     if node is not None and role != "agent":
         raise ValueError(f"only agent tokens can be bound to a node (got role {role!r} with node {node!r})")
-    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token))
+    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token), expires_at=expires_at)
     session.add(row)
     session.flush()
     record_event(
@@ -84,17 +88,74 @@ def _add_token(session: Session, role: str, name: str, node: str | None, token: 
         actor=actor,
         action="token.created",
         subject=f"token:{row.id}",
-        payload={"name": name, "role": role, "node": node},
+        payload={"name": name, "role": role, "node": node,
+                 "expires_at": expires_at.isoformat() if expires_at else None},
         node=node,
     )
     return row
 
 
-def create_token(session: Session, role: str, name: str, node: str | None = None, *, actor: str = "cli") -> str:
-    """Create a token and return its plaintext (the only time it exists); the DB keeps its SHA-256."""
+def create_token(session: Session, role: str, name: str, node: str | None = None, *, actor: str = "cli",
+                 expires_at: dt.datetime | None = None) -> str:
+    """Create a token and return its plaintext (the only time it exists); the DB keeps its SHA-256.
+
+    A token bound to a node is a node token: creating one revokes the node's earlier tokens
+    (:func:`issue_node_token`), so at most one node token per node is valid at any time.
+    """
+    if node is not None:
+        _check_role(role)
+        if role != "agent":
+            raise ValueError(f"only agent tokens can be bound to a node (got role {role!r} with node {node!r})")
+        return issue_node_token(session, node, actor=actor, name=name, expires_at=expires_at)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    _add_token(session, role, name, node, token, actor)
+    _add_token(session, role, name, node, token, actor, expires_at)
     return token
+
+
+def issue_node_token(session: Session, node: str, *, actor: str, name: str | None = None,
+                     expires_at: dt.datetime | None = None) -> str:
+    """A fresh token for ``node``; every earlier unrevoked token of that node is revoked in the same transaction.
+
+    Returns the plaintext. Callers that authenticate through a cache must also drop the node's cached
+    principals (the API does; other replicas see the revocation within the auth cache time).
+    """
+    revoked = revoke_node_tokens(session, node, actor=actor, reason="superseded by a new node token")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at)
+    if revoked:
+        record_event(session, actor=actor, action="token.node_reissued", subject=f"token:{row.id}", node=node,
+                     payload={"revoked": revoked})
+    return token
+
+
+def revoke_node_tokens(session: Session, node: str, *, actor: str, reason: str) -> list[int]:
+    """Revoke every unrevoked token bound to ``node``; returns their ids."""
+    rows = list(session.scalars(select(ApiToken).where(ApiToken.node_name == node, ApiToken.revoked_at.is_(None))
+                                .order_by(ApiToken.id).with_for_update()))
+    for row in rows:
+        revoke_token(session, row.id, actor=actor, reason=reason)
+    return [r.id for r in rows]
+
+
+def _as_utc(t: dt.datetime) -> dt.datetime:
+    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t
+
+
+def list_tokens(session: Session, *, include_revoked: bool = False) -> list[dict[str, object]]:
+    """Every token (without its hash): id, name, role, node, created, expires, revoked, state."""
+    from controller.db.models import utcnow
+
+    now = utcnow()
+    stmt = select(ApiToken).order_by(ApiToken.id)
+    if not include_revoked:
+        stmt = stmt.where(ApiToken.revoked_at.is_(None))
+    out: list[dict[str, object]] = []
+    for t in session.scalars(stmt):
+        expired = t.expires_at is not None and _as_utc(t.expires_at) <= now
+        out.append({"id": t.id, "name": t.name, "role": t.role, "node": t.node_name,
+                    "created_at": t.created_at, "expires_at": t.expires_at, "revoked_at": t.revoked_at,
+                    "state": "revoked" if t.revoked_at else "expired" if expired else "valid"})
+    return out
 
 
 def authenticate(session: Session, token: str | None) -> Principal:
@@ -107,6 +168,11 @@ def authenticate(session: Session, token: str | None) -> Principal:
         raise AuthError("unknown token")
     if row.revoked_at is not None:
         raise AuthError("token has been revoked")
+    if row.expires_at is not None:
+        from controller.db.models import utcnow
+
+        if _as_utc(row.expires_at) <= utcnow():
+            raise AuthError("token has expired")
     return Principal(token_id=row.id, name=row.name, role=row.role, node=row.node_name)
 
 
@@ -176,12 +242,16 @@ def load_bootstrap_tokens(session: Session, path: Path) -> int:
     return added
 
 
-def revoke_token(session: Session, token_id: int, *, actor: str, reason: str | None = None) -> None:
+def revoke_token(session: Session, token_id: int, *, actor: str, reason: str | None = None) -> bool:
+    """Revoke a token by id (idempotent: False when it already was); LookupError for an unknown id."""
     from controller.db.models import utcnow
 
     row = session.get(ApiToken, token_id)
     if row is None:
         raise LookupError(f"no token with id {token_id}")
-    if row.revoked_at is None:
-        row.revoked_at = utcnow()
-        record_event(session, actor=actor, action="token.revoked", subject=f"token:{row.id}", reason=reason)
+    if row.revoked_at is not None:
+        return False
+    row.revoked_at = utcnow()
+    record_event(session, actor=actor, action="token.revoked", subject=f"token:{row.id}", reason=reason,
+                 node=row.node_name, payload={"name": row.name, "role": row.role})
+    return True

@@ -5,11 +5,13 @@ the target's minimum driver major; Triton exactly the target's; torch inside the
 (``packaging`` specifiers, local build tags like ``+cpu`` ignored); CUDA major among the target's when the
 node reports a CUDA version at all (CPU nodes report ``none``). Nodes are grouped in strata
 ``"{arch}/drv{driver_major}/triton{triton}"``; :func:`compat_matrix` gives the state of every bundle version
-in every stratum (stable, candidate at step k, rolled_back, revoked, eligible, ineligible).
+in every stratum (stable, candidate at step k, rolled_back, revoked, eligible, ineligible); a candidate cell
+counts its canaries per phase (trial before serve: staged, verified, serving).
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.db.models import (
+    Assignment,
     Bundle,
     BundleTarget,
     Incompatibility,
@@ -36,10 +39,17 @@ ACTIVE_STRATUM_STATES = ("pending", "progressing", "paused")
 NO_CUDA = frozenset({"", "none", "unknown", "cpu", "n/a"})
 
 
-def driver_major(driver_version: str) -> int:
-    """Major of a driver version string (``"550.54.15"`` -> 550); -1 when it has no leading number."""
-    head = str(driver_version).strip().split(".")[0]
-    return int(head) if head.isdigit() else -1
+_MAJOR_RE = re.compile(r"([0-9]{1,9})(?:\.|$)")
+
+
+def driver_major(driver_version: object) -> int:
+    """Major of a driver version string (``"550.54.15"`` -> 550); -1 when it has no leading ASCII number.
+
+    Never raises, whatever is stored (``"²"``, ``"unknown"``, a 10-digit number, None): stored values came
+    from nodes, and one node's bad string must not break the matrix for everybody.
+    """
+    m = _MAJOR_RE.match(str(driver_version).strip())
+    return int(m.group(1)) if m else -1
 
 
 def stratum_key(arch: str, driver_version: str, triton_version: str) -> str:
@@ -183,6 +193,7 @@ class CompatRow:
     step: int | None = None  # for candidate: the stratum's step index
     rollout_id: int | None = None
     reason: str | None = None
+    phases: dict[str, int] | None = None  # for candidate: canaries per phase (staged / verified / serving)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,6 +224,7 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
                RolloutStratum.state.in_(ACTIVE_STRATUM_STATES))
     ):
         candidate[(bid, stratum)] = (rid, step)
+    phases = _canary_phases(session, {rid for rid, _ in candidate.values()}, {n.id: n.stratum for n in fleet})
     rows: list[CompatRow] = []
     for b in bundles:
         targets = bundle_targets(b)
@@ -226,7 +238,8 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
                 rows.append(CompatRow(state="stable", **common))
             elif key in candidate:
                 rid, step = candidate[key]
-                rows.append(CompatRow(state="candidate", step=step, rollout_id=rid, **common))
+                rows.append(CompatRow(state="candidate", step=step, rollout_id=rid,
+                                      phases=phases.get((rid, stratum), dict.fromkeys(PHASES, 0)), **common))
             elif key in incompatible:
                 rows.append(CompatRow(state="rolled_back", reason=incompatible[key], **common))
             elif b.status == "revoked":
@@ -237,3 +250,22 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
                 why = next((r for r in rejections if r), None)
                 rows.append(CompatRow(state="ineligible", reason=why, **common))
     return rows
+
+
+PHASES = ("staged", "verified", "serving")
+
+
+def _canary_phases(session: Session, rollout_ids: set[int], stratum_of: dict[int, str]
+                   ) -> dict[tuple[int, str], dict[str, int]]:
+    """(rollout_id, stratum) -> canaries per phase (one query over the rollouts' assignments)."""
+    out: dict[tuple[int, str], dict[str, int]] = {}
+    if not rollout_ids:
+        return out
+    for rid, node_id, phase in session.execute(
+        select(Assignment.rollout_id, Assignment.node_id, Assignment.phase)
+        .where(Assignment.rollout_id.in_(sorted(rollout_ids)))
+    ):
+        stratum = stratum_of.get(node_id)
+        if stratum is not None and phase in PHASES:
+            out.setdefault((rid, stratum), dict.fromkeys(PHASES, 0))[phase] += 1
+    return out

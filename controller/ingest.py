@@ -1,9 +1,14 @@
 """Report ingestion: validate a batch against the changelog, then store it in one bulk statement.
 
+Each report's judged signals (per-cell latency, traffic-weighted aggregate, end-to-end, memory and launches
+per cell: :mod:`controller.signals`) are computed here once and stored in ``reports.signals``.
 Idempotent by ``idempotency_key``: ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` stores only keys not seen
 before (safe under concurrent replays on PostgreSQL), so a replayed or partially seen batch counts each
 report once. A report that breaks a hard gate sets ``rollout_strata.first_failure_at`` (when unset): the
-start of the time-to-rollback clock. No per-report round trips: the batch costs a handful of statements.
+start of the time-to-rollback clock. A newly accepted ``ok`` report verifies the node's staged canary of
+that rollout (trial before serve: ``controller.assignments.mark_verified``). No per-report round trips: the
+batch costs a handful of statements. :func:`screen_reports` (called first, by the API) keeps only reports
+from current canaries of live rollouts.
 """
 
 from __future__ import annotations
@@ -16,19 +21,22 @@ from sqlalchemy import and_, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
+from controller.assignments import mark_verified
 from controller.compat import node_stratum
-from controller.db.models import Bundle, Node, Report, Rollout, RolloutStratum
+from controller.db.models import Assignment, Bundle, Node, Report, Rollout, RolloutStratum
 from controller.errors import Invalid
-from controller.gates import OUTCOME_GATE, as_utc, effective_outcome, log_ratio, numerics_summary
+from controller.gates import OUTCOME_GATE, as_utc, effective_outcome, numerics_summary
+from controller.signals import report_signals
 from kernelctl import wire
 
 LIVE = ("progressing", "paused", "pending")
+CANARY_LIVE = ("progressing", "paused")  # a rollout (and stratum) with canaries that may report
 
 
 COLUMNS = ("idempotency_key", "node_id", "rollout_id", "stratum", "bundle_id", "stable_bundle_id", "outcome",
-           "latency_log_ratio", "n_pairs", "peak_memory_bytes", "measured_at", "received_at", "detail")
+           "latency_log_ratio", "n_pairs", "peak_memory_bytes", "measured_at", "received_at", "detail", "signals")
 PG_TYPES = ("varchar", "bigint", "bigint", "varchar", "bigint", "bigint", "varchar", "float8", "integer", "bigint",
-            "timestamptz", "timestamptz", "json")
+            "timestamptz", "timestamptz", "json", "json")
 PG_INSERT = (
     f"INSERT INTO reports ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} "
     f"FROM json_to_recordset(CAST(%(rows)s AS json)) AS x("
@@ -55,6 +63,43 @@ def _insert_new(session: Session, rows: list[dict[str, Any]]) -> set[str]:
     stmt = sqlite.insert(Report).on_conflict_do_nothing(index_elements=["idempotency_key"]).returning(
         Report.idempotency_key)
     return set(session.execute(stmt, rows).scalars().all())
+
+
+REFUSAL_REASONS = ("rollout_not_live", "not_canary")
+
+
+def screen_reports(session: Session, node: Node, batch: wire.ReportBatch
+                   ) -> tuple[list[wire.TrialReport], dict[str, tuple[str, str]]]:
+    """Which reports of a batch count: only from a current canary of the report's rollout, while it is live.
+
+    Returns the reports that may be ingested and, for the others, ``idempotency_key -> (reason, message)``
+    with ``reason`` one of :data:`REFUSAL_REASONS` (a bounded metric label). Reports naming a rollout that
+    does not exist pass through: :func:`ingest_reports` refuses the batch for them (422).
+    """
+    rids = sorted({r.rollout_id for r in batch.reports})
+    states = dict(session.execute(select(Rollout.id, Rollout.state).where(Rollout.id.in_(rids))).all())
+    stratum = node_stratum(node)
+    canary_of = set(session.scalars(
+        select(Assignment.rollout_id)
+        .join(Rollout, Rollout.id == Assignment.rollout_id)
+        .join(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id, RolloutStratum.stratum == stratum))
+        .where(Assignment.node_id == node.id, Assignment.rollout_id.in_(rids),
+               Assignment.desired_bundle_id == Rollout.bundle_id, RolloutStratum.state.in_(CANARY_LIVE))))
+    keep: list[wire.TrialReport] = []
+    refused: dict[str, tuple[str, str]] = {}
+    for r in batch.reports:
+        state = states.get(r.rollout_id)
+        if state is None:
+            keep.append(r)
+        elif state not in CANARY_LIVE:
+            refused[r.idempotency_key] = ("rollout_not_live", f"rollout {r.rollout_id} is {state}: reports count "
+                                          "only while it is progressing or paused")
+        elif r.rollout_id not in canary_of:
+            refused[r.idempotency_key] = ("not_canary", f"node {node.name} is not a current canary of rollout "
+                                          f"{r.rollout_id}")
+        else:
+            keep.append(r)
+    return keep, refused
 
 
 def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: dt.datetime) -> tuple[int, int]:
@@ -106,6 +151,7 @@ def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: d
         outcome = effective_outcome(r)
         if outcome in OUTCOME_GATE and strata[(r.rollout_id, stratum)] in LIVE:
             failing[r.rollout_id] = stratum
+        signals = report_signals(r) if outcome == "ok" else None
         e2e = None
         if r.e2e_stable_s is not None and r.e2e_candidate_s is not None:
             e2e = {"stable_s": r.e2e_stable_s, "candidate_s": r.e2e_candidate_s}
@@ -113,13 +159,14 @@ def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: d
             "idempotency_key": r.idempotency_key, "node_id": node.id, "rollout_id": r.rollout_id,
             "stratum": stratum, "bundle_id": bid,
             "stable_bundle_id": stable_ids.get((r.stable.name, r.stable.version, r.stable.digest)) if r.stable else None,
-            "outcome": outcome, "latency_log_ratio": log_ratio(r) if outcome == "ok" else None,
+            "outcome": outcome, "latency_log_ratio": signals.get("aggregate") if signals else None,
             "n_pairs": len(r.latency), "peak_memory_bytes": r.peak_memory_bytes,
             "measured_at": as_utc(r.measured_at), "received_at": now,
             "detail": {
                 "reported_outcome": r.outcome, "numerics": numerics_summary(r), "e2e": e2e,
                 "launches_per_call": r.launches_per_call, "duration_s": r.duration_s, "text": r.detail,
             },
+            "signals": signals,
         })
     inserted = _insert_new(session, rows)
     accepted = len(inserted)
@@ -133,4 +180,13 @@ def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: d
                        RolloutStratum.first_failure_at.is_(None), RolloutStratum.state.in_(LIVE))
                 .values(first_failure_at=now),
                 execution_options={"synchronize_session": False})
+    _verify_canaries(session, node, rows, inserted, now)
     return accepted, len(batch.reports) - accepted
+
+
+def _verify_canaries(session: Session, node: Node, rows: list[dict[str, Any]], inserted: set[str],
+                     now: dt.datetime) -> None:
+    """Trial before serve: a newly accepted hard-gates-passed report lets this node serve the candidate."""
+    new = [row for row in rows if row["idempotency_key"] in inserted]
+    bad = {row["rollout_id"] for row in new if row["outcome"] != "ok"}
+    mark_verified(session, node, {row["rollout_id"] for row in new if row["outcome"] == "ok"} - bad, now)

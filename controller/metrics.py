@@ -1,7 +1,7 @@
 """Prometheus metrics of the controller, on its own CollectorRegistry (no per-node labels).
 
 Event metrics (counters, histograms) are updated where things happen; fleet gauges (rollouts by state,
-nodes by arch/state, step age) are read from the database at scrape time, so every replica reports the
+nodes by arch/state, canaries per phase, step age) are read from the database at scrape time, so every replica reports the
 same truth without a tick having to run.
 """
 
@@ -17,11 +17,12 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.db.models import Node, Rollout, RolloutStratum
+from controller.db.models import Assignment, Node, Rollout, RolloutStratum
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_STATES = ("pending", "progressing", "paused", "promoted", "rolled_back")
+CANARY_PHASES = ("staged", "verified", "serving")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ROLLBACK_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
@@ -41,6 +42,9 @@ class _FleetCollector(Collector):
         age = GaugeMetricFamily(
             "kernelctl_rollout_step_age_seconds", "Age of the oldest current step over progressing strata."
         )
+        phases = GaugeMetricFamily(
+            "kernelctl_canary_nodes", "Canary assignments by phase (trial before serve: staged, verified, serving).",
+            labels=["phase"])
         factory = self._factory()
         if factory is None:
             return
@@ -53,6 +57,11 @@ class _FleetCollector(Collector):
                     select(Node.arch, Node.state, func.count()).group_by(Node.arch, Node.state)
                 ).all():
                     nodes.add_metric([arch, state], float(n))
+                by_phase = dict(session.execute(
+                    select(Assignment.phase, func.count()).where(Assignment.rollout_id.is_not(None))
+                    .group_by(Assignment.phase)).all())
+                for phase in CANARY_PHASES:
+                    phases.add_metric([phase], float(by_phase.get(phase, 0)))
                 oldest = session.scalar(
                     select(func.min(RolloutStratum.step_started_at))
                     .join(Rollout, Rollout.id == RolloutStratum.rollout_id)
@@ -69,7 +78,14 @@ class _FleetCollector(Collector):
             age.add_metric([], 0.0)
         yield rollouts
         yield nodes
+        yield phases
         yield age
+
+
+# the judge's rollback gates (controller.gates): hard gates, then memory, launches, latency (per cell and
+# aggregate) and end-to-end
+ROLLBACK_GATES = ("numeric", "mismatch", "crash", "oom", "hang", "compile", "load", "memory", "launches", "latency",
+                  "e2e")
 
 
 class Metrics:
@@ -83,11 +99,19 @@ class Metrics:
         self.verdicts = Counter(
             "kernelctl_verdicts_total", "Judge verdicts by gate and decision.", ["gate", "decision"], registry=r
         )
+        for gate in ROLLBACK_GATES:  # every gate's rollback series exists from the start (0 until it fires)
+            self.verdicts.labels(gate, "rollback")
         self.time_to_rollback = Histogram(
             "kernelctl_time_to_rollback_seconds",
             "First failing report received -> rollback decision.",
             buckets=ROLLBACK_BUCKETS,
             registry=r,
+        )
+        self.reports_refused = Counter(
+            "kernelctl_reports_refused_total",
+            "Trial reports refused because they cannot count: not_canary (the node is not a current canary of "
+            "that rollout) or rollout_not_live (the rollout or stratum is not progressing/paused).",
+            ["reason"], registry=r,
         )
         self.reports_ingested = Counter(
             "kernelctl_reports_ingested_total",

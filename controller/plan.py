@@ -1,14 +1,16 @@
-"""The rollout plan (``PlanSpec``): steps, bake and sample rules, latency margin and blast-radius limits.
+"""The rollout plan (``PlanSpec``): steps, bake and sample rules, the judge's margins (latency per cell and
+aggregate, end-to-end, peak memory), the launch gate's mode and blast-radius limits.
 
 A plan is validated with pydantic when a rollout starts and stored as JSON in ``rollouts.plan`` (the plan
 as started); the engine reads it back with :func:`load_plan`. The default is 1 node per stratum, then 10%,
-50% and 100% of each stratum's eligible nodes.
+50% and 100% of each stratum's eligible nodes. ``serve_before_trial`` (default false) opts out of trial
+before serve.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,7 +20,7 @@ from controller.errors import Invalid
 class StepSpec(BaseModel):
     """One step: ``nodes`` (a count per stratum) or ``percent`` (of each stratum's eligible nodes)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # Infinity is not JSON: refused
 
     nodes: int | None = Field(None, ge=1, le=1_000_000)
     percent: float | None = Field(None, gt=0, le=100)
@@ -55,7 +57,7 @@ def _default_steps() -> list[StepSpec]:
 class PlanSpec(BaseModel):
     """How a rollout widens and how it is judged."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # Infinity is not JSON: refused
 
     steps: list[StepSpec] = Field(default_factory=_default_steps, min_length=1, max_length=20)
     latency_margin: float = Field(0.02, ge=0, lt=1, description="Allowed slowdown, 0.02 = 2%.")
@@ -66,15 +68,29 @@ class PlanSpec(BaseModel):
     hold_verdict_seconds: float = Field(
         60.0, ge=0, description="A repeated hold is recorded as a verdict at most this often."
     )
+    memory_margin: float = Field(
+        0.10, ge=0, le=100, description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
+    launch_gate: Literal["rollback", "warn"] = Field(
+        "rollback", description="More Triton launches per call than stable at any size: roll back, or warn.")
+    e2e_margin: float = Field(0.03, gt=0, lt=1, description="Allowed end-to-end decoder-block slowdown.")
+    e2e_required: bool = Field(
+        False, description="Hold until end-to-end samples arrive even when no report carried one yet.")
     trial_rounds: int = Field(5, ge=1, le=1000)
     trial_interval_seconds: float = Field(30.0, ge=0)
     cpu_max_batch: int = Field(8, ge=1, description="CPU (interpreter) nodes trial batch sizes up to this.")
     cpu_max_prefill: int = Field(128, ge=1, description="CPU nodes trial prefill sizes up to this.")
+    serve_before_trial: bool = Field(
+        False, description="Serve the candidate on a canary at once, before its pre-serve trial passed there "
+                           "(for kernels whose only risk is speed). Default: trial before serve.")
 
     @property
     def margin_log(self) -> float:
         """The margin as a log-ratio (what the judge compares against)."""
         return math.log1p(self.latency_margin)
+
+    @property
+    def e2e_margin_log(self) -> float:
+        return math.log1p(self.e2e_margin)
 
 
 def load_plan(doc: dict[str, Any] | None) -> PlanSpec:

@@ -20,6 +20,7 @@ from controller.db.models import Activation, Assignment, Bundle, BundleTarget, N
 from controller.errors import Conflict, Invalid, NotFound
 from kernelctl import wire
 from kernelctl.settings import get_settings
+from kernelpack.archive import DEFAULT_LIMITS, Limits
 from kernelpack.errors import BundleError
 from kernelpack.verify import TrustedKeys, verify_bytes
 
@@ -27,15 +28,19 @@ INVENTORY_FIELDS = ("gpu_name", "compute_capability", "arch", "driver_version", 
                     "torch_version", "memory_total_mb", "labels")
 
 
-def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: Path | TrustedKeys) -> Bundle:
+def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: Path | TrustedKeys,
+                    limits: Limits | None = None) -> Bundle:
     """Verify a .kpack (signature by a trusted key, manifest, every file digest) and store it.
+
+    ``limits`` bound the work of reading the archive (uncompressed size and file count, see
+    :func:`upload_limits`); nothing is stored when they are exceeded.
 
     Re-pushing identical bytes returns the stored bundle; the same name@version with other bytes is a Conflict.
     """
     if not data:
         raise Invalid("bundle upload is empty")
     try:
-        vb = verify_bytes(data, trusted_keys)
+        vb = verify_bytes(data, trusted_keys, limits or DEFAULT_LIMITS)
     except BundleError as exc:
         raise Invalid(f"bundle refused: {exc}") from None
     m = vb.manifest
@@ -67,11 +72,25 @@ def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: 
     return bundle
 
 
+def upload_limits(*, max_bundle_bytes: int, max_uncompressed_bytes: int, max_files: int) -> Limits:
+    """Archive limits for an uploaded bundle, from the controller's settings."""
+    return Limits(max_member_bytes=min(DEFAULT_LIMITS.max_member_bytes, max_uncompressed_bytes),
+                  max_total_bytes=max_uncompressed_bytes, max_members=max_files, max_archive_bytes=max_bundle_bytes)
+
+
 def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
-                  *, now: dt.datetime | None = None) -> Node:
-    """Create the node, or update its inventory (event ``node.inventory_changed`` only when it changed)."""
+                  *, now: dt.datetime | None = None, new_only: bool = False) -> Node:
+    """Create the node, or update its inventory (event ``node.inventory_changed`` only when it changed).
+
+    ``new_only`` (an enrollment token is registering): an existing node is a Conflict, nothing changes.
+    """
     now = now or utcnow()
     node = session.scalar(select(Node).where(Node.name == node_name))
+    if node is not None and new_only:
+        raise Conflict(
+            f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
+            f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
+            f"--node {node_name})")
     if node is None:
         node = Node(name=node_name, registered_at=now, last_heartbeat_at=now, state="active",
                     **inventory.model_dump())
@@ -79,7 +98,7 @@ def register_node(session: Session, node_name: str, inventory: wire.Inventory, a
             with session.begin_nested():
                 session.add(node)
         except IntegrityError:
-            raise Conflict(f"node {node_name} was registered concurrently; retry") from None
+            raise Conflict(f"node {node_name} was registered concurrently; nothing was changed") from None
         record_event(session, actor=actor, action="node.registered", subject=f"node:{node_name}", node=node_name,
                      payload=inventory.model_dump())
         return node

@@ -28,6 +28,7 @@ from controller.compat import (
     cached_fleet,
     eligible_by_stratum,
 )
+from controller.contract import ContractChange, contract_changes
 from controller.db.models import (
     Bundle,
     Incompatibility,
@@ -64,8 +65,9 @@ def get_bundle(session: Session, ref: str) -> Bundle:
     return b
 
 
-def get_rollout(session: Session, rollout_id: int) -> Rollout:
-    r = session.get(Rollout, rollout_id)
+def get_rollout(session: Session, rollout_id: int, *, lock: bool = False) -> Rollout:
+    """The rollout; ``lock`` takes its row lock (PostgreSQL ``FOR UPDATE``): operator actions serialise."""
+    r = session.get(Rollout, rollout_id, with_for_update=lock or None)
     if r is None:
         raise NotFound(f"rollout {rollout_id} does not exist")
     return r
@@ -129,10 +131,13 @@ def start_rollout(
     force: bool = False,
     reason: str | None = None,
     now: dt.datetime | None = None,
+    accept_contract_change: str | None = None,
 ) -> Rollout:
     """Create a pending rollout of ``bundle_ref`` over the strata where it is eligible and not yet stable.
 
-    Starting the same version again while its rollout is active returns that rollout (no-op).
+    Starting the same version again while its rollout is active returns that rollout (no-op). A candidate that
+    loosens a baseline's numeric contract (:mod:`controller.contract`) is refused unless
+    ``accept_contract_change`` says why (recorded in the ``rollout.started`` event).
     """
     now = now or utcnow()
     name, _ = parse_ref(bundle_ref)
@@ -174,6 +179,17 @@ def start_rollout(
         if overlap:
             raise Conflict(f"rollout {r.id} of {r.bundle.ref} is still active on {', '.join(overlap)}: "
                            "finish, roll back or wait for it first")
+    changes: dict[str, list[str]] = {}
+    for bid in sorted({stable[s] for s in chosen if stable.get(s) is not None}):
+        base = session.get(Bundle, bid)
+        if base is not None and (diff := contract_changes(bundle.manifest or {}, base.manifest or {})):
+            changes[base.ref] = diff
+    if changes and not (accept_contract_change or "").strip():
+        first_ref, first = next(iter(changes.items()))
+        more = sum(len(v) for v in changes.values()) - 1
+        raise ContractChange(
+            f"{bundle.ref} changes the numeric contract of {first_ref}: {first[0]}"
+            f"{f' (and {more} more)' if more else ''}; start it with accept_contract_change (a reason) to accept")
     rollout = Rollout(bundle=bundle, state="pending", step_index=0, plan=plan.model_dump(mode="json"),
                       created_by=actor, created_at=now, updated_at=now, reason=reason, forced=force)
     rollout.steps = [
@@ -190,7 +206,8 @@ def start_rollout(
     flush(session, f"bundle {bundle.ref}")
     _event(session, rollout, "rollout.started", actor=actor, reason=reason, payload={
         "strata": {s: {"eligible": len(eligible[s]), "baseline": _ref_of(session, stable.get(s))} for s in chosen},
-        "excluded": excluded, "forced": force, "plan": rollout.plan})
+        "excluded": excluded, "forced": force, "plan": rollout.plan,
+        **({"contract_change": {"accepted": accept_contract_change, "changes": changes}} if changes else {})})
     return rollout
 
 
@@ -312,6 +329,11 @@ def _live_rows(rollout: Rollout) -> list[RolloutStratum]:
     return [s for s in rollout.strata if s.state in ACTIVE_STRATA]
 
 
+def position(rollout: Rollout) -> int:
+    """The step a promote moves a rollout *from*: its step index, -1 while it is pending (not started)."""
+    return -1 if rollout.state == "pending" else rollout.step_index
+
+
 @guarded
 def promote(
     session: Session,
@@ -321,17 +343,27 @@ def promote(
     full: bool = False,
     reason: str | None = None,
     to_step: int | None = None,
+    from_step: int | None = None,
     now: dt.datetime | None = None,
 ) -> Rollout:
     """Advance every live stratum one step (``full``: make the candidate stable everywhere now).
 
-    ``to_step`` makes a step promotion idempotent: strata already at or past it are left alone.
+    ``from_step`` is the step the caller promotes from (:func:`position`: -1 for a pending rollout); when the
+    rollout is not there any more (a duplicate request, or another operator or the judge moved it) the promote
+    is refused with Conflict and nothing changes, so a promote counts at most once. ``to_step`` makes a step
+    promotion idempotent instead: strata already at or past it are left alone.
     """
     now = now or utcnow()
-    rollout = get_rollout(session, rollout_id)
+    rollout = get_rollout(session, rollout_id, lock=True)
     if rollout.state == "rolled_back":
         raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
                        "start a new rollout (with force for a revoked version)")
+    if from_step is not None and (rollout.state == "promoted" or position(rollout) != from_step):
+        at = "promoted (terminal)" if rollout.state == "promoted" else (
+            f"{rollout.state} at step {position(rollout)}")
+        raise Conflict(f"rollout {rollout_id} is {at}, not at step {from_step}: it was already promoted from "
+                       f"step {from_step} or changed meanwhile; nothing was changed (check `kernelctl rollout "
+                       f"status {rollout_id}`)")
     if rollout.state == "promoted":
         return rollout
     if rollout.state == "pending":
@@ -370,7 +402,7 @@ def rollback(
     now = now or utcnow()
     if not reason or not reason.strip():
         raise Invalid("a rollback needs a reason (it is recorded in the changelog)")
-    rollout = get_rollout(session, rollout_id)
+    rollout = get_rollout(session, rollout_id, lock=True)
     if rollout.state == "promoted":
         raise Conflict(f"rollout {rollout_id} is promoted (terminal): roll forward with a new rollout instead")
     if rollout.state == "rolled_back":

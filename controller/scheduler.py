@@ -4,6 +4,8 @@ Jobs (``max_instances=1``, ``coalesce=True``): ``leadership`` re-checks or takes
 ``min(tick_seconds, 2)`` s so a standby takes over quickly; ``tick`` re-checks leadership and then runs
 ``controller.tick.run_tick`` (stale nodes, pending rollouts, verdicts, steps, deadlines) in one
 transaction. A replica that loses leadership stops acting at once: the next job finds ``check()`` false.
+With ``KERNELCTL_NOTIFY_URLS`` set, a ``controller.notify.Notifier`` delivers webhooks from the changelog on
+its own threads, only while leading.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from controller.api.deps import AppState
 from controller.db.models import utcnow
+from controller.notify import Notifier, parse_targets
 from controller.tick import TickResult, run_tick
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,16 @@ def observe_tick(state: AppState, result: TickResult) -> None:
         log.warning("rollout %s rolled back in %s (gate %s)", rb.rollout_id, rb.stratum, rb.gate)
 
 
+def _notifier(state: AppState) -> Notifier | None:
+    """Webhook notifications from the changelog on their own threads (leader only; controller/notify.py)."""
+    s = state.settings
+    targets = parse_targets(s.notify_urls)
+    if not targets:
+        return None
+    return Notifier(state.factory, targets, is_leader=lambda: state.elector.is_leader,
+                    timeout=s.notify_timeout_seconds, attempts=s.notify_attempts)
+
+
 class ControllerScheduler:
     """Leader-only periodic jobs of one controller process."""
 
@@ -52,11 +65,16 @@ class ControllerScheduler:
         self.scheduler.add_job(self.leadership, "interval", seconds=min(s.tick_seconds, LEADERSHIP_PERIOD_MAX),
                                id="leadership", next_run_time=dt.datetime.now(dt.timezone.utc))
         self.scheduler.add_job(self.tick, "interval", seconds=s.tick_seconds, id="tick")
+        self.notifier = _notifier(state)
 
     def start(self) -> None:
         self.scheduler.start()
+        if self.notifier is not None:
+            self.notifier.start()
 
     def shutdown(self) -> None:
+        if self.notifier is not None:
+            self.notifier.stop()
         self.scheduler.shutdown(wait=True)
 
     def leadership(self) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import uvicorn
 
 from controller.api.app import build_state, create_app
+from controller.http_limits import protocol_class
+from controller.notify import parse_targets
 from kernelctl.settings import Settings
 
 log = logging.getLogger("kernelctl.server")
@@ -51,6 +53,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
         lg.handlers[:] = []
         lg.propagate = True
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # no "Context impl" lines on every /readyz
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -67,9 +70,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _upgrade_embedded_database(url: str) -> None:
+    """The embedded SQLite default creates or upgrades its own schema; PostgreSQL is left to
+    ``kernelctl db upgrade`` (``build_state`` refuses a stale schema with that hint)."""
+    from controller.db import migrate
+    from controller.db.engine import make_engine
+
+    engine = make_engine(url)
+    try:
+        changed = migrate.upgrade_embedded(engine)
+    finally:
+        engine.dispose()
+    if changed is not None:
+        log.info("embedded database %s: schema %s -> %s", engine.url.render_as_string(hide_password=True),
+                 changed[0] or "empty", changed[1])
+
+
 def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     """Run the controller until SIGTERM/SIGINT. Raises DatabaseError/OSError/ValueError before serving."""
     configure_logging(settings.log_level, settings.log_format)
+    parse_targets(settings.notify_urls)  # a bad KERNELCTL_NOTIFY_URLS is refused before anything starts
+    _upgrade_embedded_database(settings.database_url)
     state = build_state(settings)  # fail fast: DB reachable, schema at head, keys and tokens loaded
     sock = bind_socket(settings.listen_host, settings.listen_port)
     host, port = sock.getsockname()[:2]
@@ -82,6 +103,12 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
         timeout_graceful_shutdown=20,
         proxy_headers=False,
         server_header=False,
+        # bounded work per connection (docs/deploy.md "Request limits"): header deadline, header size,
+        # idle keep-alive, concurrency; body deadline and sizes are enforced in the app
+        http=protocol_class(settings.header_timeout_seconds),
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
+        limit_concurrency=settings.max_connections,
     )
     server = uvicorn.Server(config)
     log.info("kernelctl controller listening on http://%s:%d (database %s)", host, port,

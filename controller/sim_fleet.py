@@ -300,6 +300,7 @@ class Stats:
         self.latency: dict[str, list[float]] = defaultdict(list)
         self.errors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.acked: set[str] = set()  # report keys acknowledged with 200 (accepted or duplicate)
+        self.refused: set[str] = set()  # keys answered 200 but refused (the node was no longer a canary, ...)
         self.sent_keys: set[str] = set()
         self.accepted = 0
         self.duplicates = 0
@@ -411,12 +412,12 @@ class Fleet:
         await self.flush(a)
 
     async def apply(self, a: Agent, desired: dict[str, Any]) -> None:
-        want = desired["active"]
-        for ref in (want, desired.get("stable")):
+        want = desired["active"]  # None: a first version before its pre-serve trial passed (serve none)
+        for ref in (want, desired.get("stable"), (desired.get("trial") or {}).get("candidate")):
             if ref is not None and ref["version"] not in a.staged:
                 await self.fetch_once(a, ref)
                 a.staged[ref["version"]] = ref
-        if a.active is None or a.active["digest"] != want["digest"]:
+        if want is not None and (a.active is None or a.active["digest"] != want["digest"]):
             a.active = want  # both staged: switching is instant
             a.confirm = True
             if want["version"] == self.candidate and desired["role"] == "candidate":
@@ -490,7 +491,9 @@ class Fleet:
             body = resp.json()
             self.stats.accepted += body["accepted"]
             self.stats.duplicates += body["duplicates"]
-            self.stats.acked.update(r["idempotency_key"] for r in batch)
+            refused = body.get("refused", {})  # late reports (not a canary any more, rollout over): not stored
+            self.stats.refused.update(refused)
+            self.stats.acked.update(r["idempotency_key"] for r in batch if r["idempotency_key"] not in refused)
             t = time.monotonic()
             self.stats.first_report_at = self.stats.first_report_at or t
             self.stats.last_report_at = t
@@ -679,7 +682,7 @@ def _summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, A
     sc = cfg.scenario
     stored = stored_report_keys(db_url)
     lost = sorted(stats.acked - stored)
-    unacked = sorted(stats.sent_keys - stats.acked)
+    unacked = sorted(stats.sent_keys - stats.acked - stats.refused)
     strata = {s["stratum"]: s["state"] for s in detail.get("strata", [])}
     false_rb = sorted(s for s, st in strata.items() if st == "rolled_back" and sc.expected_state(s) != "rolled_back")
     ttr = [stats.back_to_stable[n] - stats.first_offending[s] for n, s in stats.canary_strata.items()
@@ -716,7 +719,8 @@ def _summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, A
         "aborted": detail.get("aborted"),
         "false_rollbacks": false_rb,
         "reports": {"sent": len(stats.sent_keys), "acknowledged": len(stats.acked), "accepted": stats.accepted,
-                    "duplicates": stats.duplicates, "stored": len(stored & stats.sent_keys), "lost": len(lost),
+                    "duplicates": stats.duplicates, "stored": len(stored & stats.sent_keys),
+                    "refused": len(stats.refused - stored), "lost": len(lost),
                     "lost_keys": lost[:20], "unacknowledged": len(unacked),
                     "throughput_per_s": round(stats.accepted / span, 1) if span > 0 else None},
         "http": http,

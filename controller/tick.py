@@ -85,8 +85,11 @@ def _last_verdicts(session: Session, rollout_ids: list[int]) -> dict[tuple[int, 
 
 
 def _judge_view(evidence: dict[str, Any] | None) -> Any:
-    lat = (evidence or {}).get("latency")
-    return lat.get("decision") if isinstance(lat, dict) else None
+    ev = evidence or {}
+    fam = ev.get("family")
+    lat = ev.get("latency")
+    return (fam.get("decision") if isinstance(fam, dict) else None,
+            lat.get("decision") if isinstance(lat, dict) else None, ev.get("deciding_metric"))
 
 
 def _should_record(d: Decision, row: RolloutStratum, last: Verdict | None, now: dt.datetime, every: float) -> bool:

@@ -21,6 +21,10 @@ def settings_rows(settings: Settings) -> list[dict[str, str]]:
         value = getattr(settings, name)
         if name in SECRET_FIELDS and value:
             value = "***"
+        elif name == "notify_urls" and value:
+            from controller.notify import redact
+
+            value = ",".join(redact(u) for u in value.split(",") if u.strip())
         elif name == "database_url":
             from sqlalchemy.engine import make_url
 

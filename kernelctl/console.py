@@ -1,9 +1,16 @@
-"""Shared CLI plumbing: Rich consoles, one-line errors with meaningful exit codes, JSON output."""
+"""Shared CLI plumbing: Rich consoles, one-line errors with meaningful exit codes, JSON output, and escaping.
+
+Text that came from elsewhere (node inventories, labels, reasons, anything the controller stored) is never
+printed as Rich markup or raw: :func:`safe` gives a ``Text`` (no markup) with control characters shown as
+``\\xNN`` escapes, :func:`esc` the same as a markup-escaped string for use inside a markup template. So a
+node calling its GPU ``[link=...]`` or ``\\x1b]0;title\\x07`` prints exactly that, visibly, in a terminal.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +18,8 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape as _escape_markup
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -24,9 +33,30 @@ EXIT_NOT_FOUND = 4
 EXIT_AUTH = 5
 
 
+# C0/C1 controls, DEL, and the invisible/bidirectional formatting characters that reorder or hide text.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def clean(value: object) -> str:
+    """``str(value)`` with every control or invisible formatting character shown as an escape (``\\x1b``)."""
+    text = "" if value is None else str(value)
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
+                       else f"\\u{ord(m.group()):04x}", text)
+
+
+def safe(value: object) -> Text:
+    """Untrusted text as a Rich ``Text`` cell: printed literally (no markup, no escape sequences)."""
+    return Text(clean(value))
+
+
+def esc(value: object) -> str:
+    """Untrusted text for interpolation into a markup string: control characters escaped, markup escaped."""
+    return _escape_markup(clean(value))
+
+
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    """Print one clear line on stderr and exit with ``code`` (never a traceback)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print one clear line on stderr and exit with ``code`` (never a traceback); the message is escaped."""
+    err_console.print(f"[bold red]error:[/] {esc(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -3,12 +3,16 @@
 A real controller and N real agents (posing as sm_80 and sm_90 nodes on two driver versions; kernels run
 through Triton's interpreter) on the embedded SQLite default. It makes llm-fused 1.0.0 stable, rolls out
 1.1.0 to promotion, then rolls out the numeric-drift fault fixture and expects the judge to roll it back.
-Exit 0 only when both outcomes happened.
+Trial before serve: the live view shows the canaries per phase (staged, verified, serving), and the summary
+how many nodes served each version (the audit's activations): the fault must have served on none. Exit 0
+only when both outcomes happened and the fault never served.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -24,7 +28,7 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from kernelctl.console import EXIT_ERROR, console, err_console, print_json
+from kernelctl.console import EXIT_ERROR, EXIT_USAGE, console, err_console, print_json
 from kernelctl.fleet import FleetError, LocalFleet, NodeSpec
 
 STABLE, CANDIDATE, FAULT = "1.0.0", "1.1.0", "1.2.0-fault.drift"
@@ -40,8 +44,11 @@ POSES = [
 # Short steps so the demo fits in minutes; production plans default to 1 node, 10%, 50%, 100%.
 DEMO_PLAN: dict[str, Any] = {
     "steps": [
-        {"nodes": 2, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 150},
-        {"percent": 100, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 150},
+        # the judge advances only when every metric's sequence passes (per-cell latency, aggregate, ...): about
+        # ten reports per stratum under the interpreter, i.e. five rounds of two canaries' trials
+        {"nodes": 2, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 480},
+        # evidence is carried across steps: the widened step bakes, then advances on what was measured
+        {"percent": 100, "bake_seconds": 2, "min_samples": 3, "deadline_seconds": 240},
     ],
     # Under the interpreter a kernel's time is Python overhead, noisy on a shared 2-core machine (a few
     # percent per trial); GPU plans keep the 2% default.
@@ -66,11 +73,13 @@ class Outcome:
     reason: str | None = None
     seconds: float = 0.0
     back_to_stable_seconds: float | None = None  # rollback decision -> no node runs the version any more
+    served_on: int | None = None  # nodes whose serving processes ever ran it (the audit's activations)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
+    never_serve: bool = False  # a fault fixture: no node may ever serve it
 
     @property
     def ok(self) -> bool:
-        return self.state == self.expected
+        return self.state == self.expected and not (self.never_serve and self.served_on)
 
 
 class DemoView:
@@ -82,6 +91,7 @@ class DemoView:
         self.detail: dict[str, Any] | None = None
         self.nodes: list[dict[str, Any]] = []
         self.outcomes: list[Outcome] = []
+        self.ui: str | None = None  # where the browser page is while the demo runs
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"))
         self._tasks: dict[str, int] = {}
 
@@ -99,6 +109,8 @@ class DemoView:
 
     def render(self) -> Group:
         parts: list[Any] = [Panel(self.phase, title="kernelctl demo", expand=False)]
+        if self.ui:
+            parts.append(self.ui)
         if self.detail:
             d = self.detail
             head = Table(title=f"rollout {d['id']}: {d['bundle']}  state={d['state']}", expand=False)
@@ -119,6 +131,13 @@ class DemoView:
                 active = ",".join(f"{b}@{v}" for b, v in (n.get("active") or {}).items()) or "none"
                 by_state[active] = by_state.get(active, 0) + 1
             parts.append(f"nodes by active version: {by_state}")
+            phases: dict[str, int] = {}
+            for n in self.nodes:
+                for p in (n.get("phases") or {}).values():
+                    phases[p] = phases.get(p, 0) + 1
+            if phases:  # trial before serve: staged (trialled, not served) -> verified -> serving
+                parts.append("canaries by phase: " + ", ".join(
+                    f"{p}={phases[p]}" for p in ("staged", "verified", "serving") if p in phases))
         for o in self.outcomes:
             mark = "[green]ok[/]" if o.ok else "[red]unexpected[/]"
             parts.append(f"{o.ref}: {o.state} (expected {o.expected}) {mark} {o.reason or ''}")
@@ -174,6 +193,19 @@ def _run_rollout(fleet: LocalFleet, view: DemoView, live: Live | None, outcome: 
             live.update(view.render())
 
 
+def _record_served(fleet: LocalFleet, outcomes: list[Outcome]) -> None:
+    """How many nodes served each version (the audit's "what ran": staged-only canaries do not count)."""
+    from controller.audit import nodes_that_ran
+    from controller.db.engine import make_engine, session_factory
+
+    engine = make_engine(fleet.db_url, read_only=True)
+    with session_factory(engine)() as session:
+        for o in outcomes:
+            if o.rollout_id is not None:
+                o.served_on = len({r["node"] for r in nodes_that_ran(session, o.ref)})
+    engine.dispose()
+
+
 def _summary_tables(fleet: LocalFleet) -> list[Any]:
     from controller.audit import AuditFilters, query_events
     from controller.db.engine import make_engine, session_factory
@@ -192,12 +224,14 @@ def _summary_tables(fleet: LocalFleet) -> list[Any]:
     with session_factory(engine)() as session:
         events = query_events(session, AuditFilters(action="rollout.*", limit=40)) + query_events(
             session, AuditFilters(action="bundle.*", limit=20))
+        verified = len(query_events(session, AuditFilters(action="assignment.verified", limit=10_000)))
     engine.dispose()
     audit = Table(title="audit trail (rollout and bundle events)")
     for col in ("at", "actor", "action", "bundle", "reason"):
         audit.add_column(col, overflow="fold")
     for e in sorted(events, key=lambda e: (e.at, e.id)):
         audit.add_row(e.at.strftime("%H:%M:%S"), e.actor, e.action, e.bundle or "", e.reason or "")
+    audit.caption = f"{verified} pre-serve trial(s) accepted (assignment.verified): only those canaries served"
     return [matrix, audit]
 
 
@@ -206,19 +240,35 @@ def demo(
     db: Annotated[str | None, typer.Option("--db", help="Database URL (default: SQLite in the work dir).")] = None,
     keep: Annotated[Path | None, typer.Option(help="Keep the database, keys, bundles and logs in DIR.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary only.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per rollout.")] = 300.0,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per rollout.")] = 600.0,
+    aot: Annotated[bool, typer.Option(
+        "--aot/--no-aot", help="Also compile the bundles ahead of time for the archs the fleet poses as "
+        "(sm_80, sm_90; cached). The CPU fleet runs every kernel through Triton's interpreter from the "
+        "signed sources, so the default builds source-only bundles and compiles nothing.")] = False,
+    notify_url: Annotated[list[str] | None, typer.Option(
+        "--notify-url", help="Webhook for the demo controller's notifications (repeatable; default: "
+        "KERNELCTL_NOTIFY_URLS).", show_default=False)] = None,
 ) -> None:
     """Run a real controller and agents locally: promote llm-fused 1.1.0, roll back a numeric-drift fault."""
+    from controller.notify import NotifyConfigError, parse_targets
+
+    notify = ",".join(notify_url) if notify_url else os.environ.get("KERNELCTL_NOTIFY_URLS", "")
+    try:
+        notify_targets = parse_targets(notify)
+    except NotifyConfigError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kernelctl-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     profile = workdir / "profile.json"
     profile.write_text(json.dumps(DEMO_PROFILE))
     # trials back to back (a laptop demo, not a production node: production agents keep a 10% duty cycle)
     fleet = LocalFleet(workdir, db_url=db, extra_env={"KERNELCTL_PROFILE": str(profile),
-                                                      "KERNELCTL_TRIAL_DUTY_CYCLE": "1.0"})
+                                                      "KERNELCTL_TRIAL_DUTY_CYCLE": "1.0"},
+                       controller_env={"KERNELCTL_NOTIFY_URLS": notify} if notify_targets else None)
     view = DemoView(nodes)
     outcomes = [Outcome(f"llm-fused@{STABLE}", "promoted"), Outcome(f"llm-fused@{CANDIDATE}", "promoted"),
-                Outcome(f"llm-fused@{FAULT}", "rolled_back")]
+                Outcome(f"llm-fused@{FAULT}", "rolled_back", never_serve=True)]
     view.outcomes = outcomes
     t0 = time.monotonic()
     error: str | None = None
@@ -235,12 +285,16 @@ def demo(
 
         phase("migrating the changelog database")
         fleet.prepare_database()
-        phase("generating a signing key; building and signing bundles (AOT for sm_80/sm_89/sm_90)")
+        aot_archs = sorted({p["arch"] for p in POSES}) if aot else []
+        phase("generating a signing key; building and signing bundles ("
+              + (f"compiled ahead of time for {'/'.join(aot_archs)})" if aot else "source-only: the CPU fleet "
+                 "interprets the kernels)"))
         key = fleet.generate_key()
-        built = fleet.build_bundles([STABLE, CANDIDATE, FAULT], key,
+        built = fleet.build_bundles([STABLE, CANDIDATE, FAULT], key, aot_archs=aot_archs,
                                     on_built=lambda v: phase(f"built and signed llm-fused {v}"))
         phase("starting the controller (kernelctl serve on loopback)")
         fleet.start_controller()
+        view.ui = f"follow it in a browser: {fleet.url}/ui/  (viewer token {fleet.tokens['viewer']})"
         for path in built.values():
             fleet.push(path)
         phase(f"starting {nodes} agents (sm_80 on driver 535, sm_90 on driver 550)")
@@ -254,6 +308,7 @@ def demo(
             if live:
                 live.update(view.render())
         phase(f"done in {time.monotonic() - t0:.0f}s")
+        _record_served(fleet, outcomes)
         tables = _summary_tables(fleet)
     except KeyboardInterrupt:
         error = "interrupted"
@@ -266,6 +321,10 @@ def demo(
             live.stop()
         fleet.stop()
         signal.signal(signal.SIGTERM, previous)
+    notifications = None
+    if notify_targets:
+        with contextlib.suppress(Exception):  # the database may not exist if start-up failed
+            notifications = fleet.notification_counts()
     ok = error is None and all(o.ok for o in outcomes)
     audit_cmd = f"kernelctl audit --db {fleet.db_url}" if keep or db else None
     summary = {
@@ -274,8 +333,10 @@ def demo(
         "nodes": nodes,
         "database": fleet.db_url if (keep or db) else None,
         "error": error,
+        "notifications": notifications,
         "rollouts": [{"bundle": o.ref, "rollout_id": o.rollout_id, "state": o.state, "expected": o.expected,
                       "reason": o.reason, "seconds": o.seconds, "back_to_stable_seconds": o.back_to_stable_seconds,
+                      "served_on": o.served_on,
                       "verdicts": [{k: v[k] for k in ("stratum", "decision", "gate", "samples")}
                                    for v in o.verdicts]} for o in outcomes],
     }
@@ -289,8 +350,15 @@ def demo(
             colour = "green" if o.ok else "red"
             back = (f"; every node back on stable {o.back_to_stable_seconds}s after the decision"
                     if o.back_to_stable_seconds is not None else "")
+            if o.state == "rolled_back" and o.served_on == 0:
+                back = "; never served on any node: every canary trialled it before serving and it failed there"
+            elif o.served_on:
+                back += f"; served on {o.served_on} node(s)"
             console.print(f"[{colour}]{o.ref}: {o.state}[/] (expected {o.expected}, {o.seconds}s) "
                           f"{o.reason or ''}{back}")
+        if notifications is not None:
+            console.print(f"webhook notifications to {', '.join(t.shown for t in notify_targets)}: "
+                          f"{notifications['delivered']} delivered, {notifications['failed']} failed")
         if audit_cmd:
             console.print(f"query the changelog again: [bold]{audit_cmd}[/]")
         else:
@@ -299,6 +367,8 @@ def demo(
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     if not ok:
-        bad = error or "; ".join(f"{o.ref} ended {o.state}, expected {o.expected}" for o in outcomes if not o.ok)
+        bad = error or "; ".join(f"{o.ref} ended {o.state}, expected {o.expected}"
+                                 + (f", served on {o.served_on} node(s)" if o.never_serve and o.served_on else "")
+                                 for o in outcomes if not o.ok)
         err_console.print(f"[bold red]demo failed:[/] {bad}")
         raise typer.Exit(EXIT_ERROR)

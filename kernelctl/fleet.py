@@ -42,7 +42,7 @@ class LocalFleet:
 
     def __init__(self, workdir: Path, *, db_url: str | None = None, tick_seconds: float = 1.0,
                  heartbeat_seconds: float = 1.0, stale_after_seconds: float = 30.0,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, controller_env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         self.db_url = db_url or f"sqlite:///{workdir / 'kernelctl.db'}"
         self.keys_dir = workdir / "keys"
@@ -53,6 +53,7 @@ class LocalFleet:
         self.heartbeat_seconds = heartbeat_seconds
         self.stale_after_seconds = stale_after_seconds
         self.extra_env = extra_env or {}
+        self.controller_env = controller_env or {}  # only for the controller (e.g. KERNELCTL_NOTIFY_URLS)
         self.tokens = {role: f"kctl_{role}_{secrets.token_urlsafe(24)}" for role in ("operator", "viewer", "agent")}
         self.url = ""
         self._client: httpx.Client | None = None
@@ -66,6 +67,24 @@ class LocalFleet:
         migrate.upgrade(engine)
         engine.dispose()
 
+    def notification_counts(self) -> dict[str, int]:
+        """How many webhook deliveries the controller recorded in the changelog, by outcome."""
+        from sqlalchemy import func, select
+
+        from controller.db.engine import make_engine, session_factory
+        from controller.db.models import Event
+        from controller.notify import DELIVERED, FAILED
+
+        engine = make_engine(self.db_url, read_only=True)
+        try:
+            with session_factory(engine)() as session:
+                rows = session.execute(select(Event.action, func.count()).where(
+                    Event.action.in_((DELIVERED, FAILED))).group_by(Event.action)).all()
+        finally:
+            engine.dispose()
+        counts = {a: int(n) for a, n in rows}
+        return {"delivered": counts.get(DELIVERED, 0), "failed": counts.get(FAILED, 0)}
+
     def generate_key(self) -> Path:
         from kernelpack.signing import generate_keypair
 
@@ -75,14 +94,17 @@ class LocalFleet:
         return pair.private_path
 
     def build_bundles(self, versions: list[str], key: Path, *, name: str = "llm-fused",
-                      on_built: Callable[[str], None] | None = None) -> dict[str, Path]:
+                      on_built: Callable[[str], None] | None = None,
+                      aot_archs: list[str] | None = None) -> dict[str, Path]:
+        """Build and sign ``versions``; ``aot_archs`` as in ``build_bundle`` (None: every target arch,
+        []: source-only, for a fleet that runs kernels through Triton's interpreter)."""
         from kernelpack.build import build_bundle
 
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
         out: dict[str, Path] = {}
         for version in versions:
             path = self.bundle_dir / f"{name}-{version}.kpack"
-            build_bundle(BUNDLES_DIR / name / version, path, key)
+            build_bundle(BUNDLES_DIR / name / version, path, key, aot_archs=aot_archs)
             out[version] = path
             if on_built:
                 on_built(version)
@@ -101,6 +123,7 @@ class LocalFleet:
             "KERNELCTL_STALE_AFTER_SECONDS": str(self.stale_after_seconds),
             "KERNELCTL_TICK_SECONDS": str(self.tick_seconds),
             **self.extra_env,
+            **self.controller_env,
         }
         proc = self.procs.start("controller", kernelctl_args(
             "serve", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
@@ -125,7 +148,8 @@ class LocalFleet:
             (home / "inventory.json").write_text(json.dumps(overrides, indent=2))
             args += ["--inventory-overrides", str(home / "inventory.json")]
         self.procs.start(f"agent-{node.name}", kernelctl_args(*args), {
-            "KERNELCTL_DATA_DIR": str(home), **self.extra_env, **(env or {})})
+            "KERNELCTL_DATA_DIR": str(home), **self.extra_env, **{k: "" for k in self.controller_env},
+            **(env or {})})
 
     def stop(self) -> None:
         if self._client is not None:

@@ -49,6 +49,35 @@ class Settings(BaseSettings):
     )
     max_bundle_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest bundle upload accepted.")
     max_report_batch: int = Field(1000, gt=0, description="Most reports accepted in one batch.")
+    max_bundle_uncompressed_bytes: int = Field(
+        128 * 1024 * 1024, gt=0, description="Most bytes a bundle upload may decompress to (checked while "
+        "decompressing: a gzip bomb is refused at this size).")
+    max_bundle_files: int = Field(2000, gt=0, description="Most files (archive members) in an uploaded bundle.")
+    max_request_bytes: int = Field(
+        1024 * 1024, gt=0, description="Largest JSON request body (every route but report batches and bundles).")
+    max_report_body_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest report-batch request body (POST /v1/agents/reports).")
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, le=3600, description="A client must send its request line and headers within this time.")
+    body_timeout_seconds: float = Field(
+        60.0, gt=0, le=3600, description="A client must send the whole request body within this time (408).")
+    keepalive_timeout_seconds: float = Field(5.0, gt=0, le=3600, description="Idle keep-alive connections close "
+                                             "after this time.")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024, description="Largest request line plus "
+                                  "headers; larger is refused with 431 (or 400 from h11 while still arriving).")
+    max_connections: int = Field(2048, gt=0, description="Most concurrent connections and requests (503 over).")
+    auth_cache_seconds: float = Field(
+        5.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
+        "another replica (or with `kernelctl token revoke`) takes effect within this time.")
+    api_docs: bool = Field(False, description="Serve /docs and /openapi.json (without a token). Off by default.")
+
+    # --- notifications (controller/notify.py) ------------------------------------------------------
+    notify_urls: str = Field(
+        "", description="Comma-separated webhook URLs the leader POSTs rollout notifications to (Slack-"
+        "compatible JSON); secrets in them are never logged.", repr=False,
+    )
+    notify_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook delivery attempt.")
+    notify_attempts: int = Field(4, ge=1, le=20, description="Delivery attempts per notification (backoff).")
 
     # --- CLI client -----------------------------------------------------------------------------
     url: str = Field("http://127.0.0.1:8080", description="Controller URL used by the operator CLI.")

@@ -11,7 +11,7 @@ import datetime as dt
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 API_PREFIX = "/v1"
 
@@ -35,25 +35,61 @@ MemoryBytes = Annotated[int, Field(ge=0, le=2**50)]
 NodeName = Annotated[str, Field(pattern=NAME_PATTERN)]
 BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN)]
 Version = Annotated[str, Field(pattern=VERSION_PATTERN, max_length=64)]
+# A database id: a signed 64-bit integer (BIGINT); anything larger is refused at the wire, not by the driver.
+RolloutId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+EARLIEST = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+LATEST = dt.datetime(2200, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _bounded_time(v: dt.datetime) -> dt.datetime:
+    """A measurement time in UTC between 2000 and 2200 (naive means UTC); the datetime limits never reached."""
+    try:
+        utc = v.replace(tzinfo=dt.timezone.utc) if v.tzinfo is None else v.astimezone(dt.timezone.utc)
+    except (OverflowError, ValueError):
+        raise ValueError("is outside the range of representable times") from None
+    if not EARLIEST <= utc < LATEST:
+        raise ValueError(f"must be between {EARLIEST.date()} and {LATEST.date()} (UTC)")
+    return utc
+
+
+MeasuredAt = Annotated[dt.datetime, AfterValidator(_bounded_time)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # ------------------------------------------------------------------------------------------ inventory
-class Inventory(Strict):
-    """What a node is: the inputs of the compatibility matrix."""
+# Every inventory string is checked at the wire (ASCII digits only: "²" is a digit to str.isdigit but not to
+# int()); what a node sends is later printed in operators' terminals and parsed by the compatibility matrix.
+PRINTABLE = r"^[ -~]*$"  # printable ASCII: no control characters, no escape sequences
+DRIVER_PATTERN = r"^([0-9]{1,6}(\.[0-9]{1,6}){0,3}|unknown)$"
+CUDA_PATTERN = r"^([0-9]{1,3}(\.[0-9]{1,4}){0,2}|none|unknown|cpu|n/a)$"
+# PEP 440-like: 3.6.0, 2.13.0+cpu, 2.5.0a0+git1234abc, 2.13.0.dev20260101+cu128
+PY_VERSION_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,8}){0,3}([.+_-]?[A-Za-z0-9]{1,40}){0,6}$"
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$"
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 128
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN, max_length=64)]
+LabelValue = Annotated[str, StringConstraints(pattern=PRINTABLE, max_length=MAX_LABEL_VALUE)]
 
-    gpu_name: str = Field(max_length=128)
-    compute_capability: str = Field(pattern=r"^(\d+\.\d+|cpu)$")
-    arch: str = Field(pattern=r"^(sm_\d+a?|cpu)$")
-    driver_version: str = Field(max_length=32)
-    cuda_version: str = Field(max_length=32)
-    triton_version: str = Field(max_length=32)
-    torch_version: str = Field(max_length=64)
+
+class Inventory(Strict):
+    """What a node is: the inputs of the compatibility matrix (every field bounded and format-checked).
+
+    Labels: at most 64, keys 1-64 characters (letters, digits, ``. _ / -``, alphanumeric at both ends),
+    values at most 128 printable ASCII characters.
+    """
+
+    gpu_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
+    compute_capability: str = Field(pattern=r"^([0-9]{1,2}\.[0-9]{1,2}|cpu)$")
+    arch: str = Field(pattern=r"^(sm_[0-9]{2,3}a?|cpu)$")
+    driver_version: str = Field(max_length=32, pattern=DRIVER_PATTERN)
+    cuda_version: str = Field(max_length=16, pattern=CUDA_PATTERN)
+    triton_version: str = Field(max_length=32, pattern=PY_VERSION_PATTERN)
+    torch_version: str = Field(max_length=64, pattern=PY_VERSION_PATTERN)
     memory_total_mb: int = Field(ge=0, le=2**31)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
 
 
 class RegisterRequest(Strict):
@@ -77,6 +113,8 @@ class HeartbeatRequest(Strict):
     node_name: NodeName
     inventory: Inventory | None = None  # sent when it changed
     staged: list[BundleRef] = Field(default_factory=list, max_length=64)
+    # the versions published to kernelpack.runtime, i.e. what serving processes run: a candidate listed here
+    # moves the node's phase to "serving" (and opens its activation in the audit history)
     active: list[BundleRef] = Field(default_factory=list, max_length=64)
     trial_running: bool = False
 
@@ -94,14 +132,24 @@ class TrialSpec(Strict):
     interval_seconds: float = Field(30, ge=0)  # minimum time between trials on a node
 
 
+Phase = Literal["staged", "verified", "serving"]
+
+
 class DesiredBundle(Strict):
-    """Desired state of one bundle on a node: which version is active, which are staged."""
+    """Desired state of one bundle on a node: which version is active, which are staged.
+
+    Trial before serve: while a canary's ``phase`` is ``staged`` the candidate is only staged and trialled
+    (``trial``), ``active`` stays the stable version (None when the bundle has no stable version yet: serve
+    nothing, the PyTorch fallback); once the controller accepted a hard-gates-passed report from this node
+    (``verified``) ``active`` is the candidate, and the node reporting it active makes it ``serving``.
+    """
 
     name: BundleName
-    active: BundleRef  # the version serving code should use now
+    active: BundleRef | None  # the version serving code should use now (None: publish no version of it)
     stable: BundleRef | None  # kept staged so a rollback is a switch, not a download
     role: Literal["stable", "candidate"]
     trial: TrialSpec | None = None
+    phase: Phase | None = None  # the candidate's phase on this node (None for role "stable")
 
 
 class HeartbeatResponse(Strict):
@@ -124,7 +172,17 @@ class LatencyPair(Strict):
     candidate_s: LatencySeconds
 
 
+NumericKind = Literal["golden", "stable_golden", "fuzz", "production", "edge"]
+
+
 class NumericCheck(Strict):
+    """One numeric check of the candidate: against the float64 reference and against stable (same inputs).
+
+    ``kind``: golden (the candidate's own vectors), stable_golden (the stable version's vectors under the
+    stricter of both tolerances), fuzz (small random shapes), production (the shapes the latency phase times,
+    whole tensor vs stable, a row sample vs the reference), edge (edge-value inputs: a non-finite output where
+    the reference and stable are finite fails). ``nonfinite``: such outputs counted."""
+
     op: str = Field(max_length=64)
     dtype: Literal["fp16", "bf16", "fp32"]
     shape: dict[str, int]
@@ -134,18 +192,56 @@ class NumericCheck(Strict):
     unwritten: int = Field(0, ge=0)
     vs_stable_max_abs: ErrorValue | None = None
     vs_stable_within: bool | None = None
+    kind: NumericKind | None = None
+    case: str | None = Field(None, max_length=64)  # e.g. the edge-value case ("zero_rows")
+    nonfinite: int = Field(0, ge=0)
+
+
+class CellResources(Strict):
+    """Peak memory and Triton launches per call of both versions at one (op, tokens) cell, same shape."""
+
+    op: str = Field(max_length=64)
+    tokens: int = Field(ge=1, le=10_000_000)
+    stable_peak_bytes: MemoryBytes | None = None
+    candidate_peak_bytes: MemoryBytes | None = None
+    stable_launches: int | None = Field(None, ge=0, le=100_000)
+    candidate_launches: int | None = Field(None, ge=0, le=100_000)
+
+
+class CellWeight(Strict):
+    """How often one (op, tokens) cell runs per serving step on this node (its traffic profile)."""
+
+    op: str = Field(max_length=64)
+    tokens: int = Field(ge=1, le=10_000_000)
+    weight: NonNegFinite = Field(le=1e9)
+
+
+class E2EPair(Strict):
+    """One interleaved round of the end-to-end decoder block: stable and candidate on the same inputs."""
+
+    stable_s: LatencySeconds
+    candidate_s: LatencySeconds
+
+
+def _unique_cells(v: list[CellResources] | list[CellWeight]) -> list:
+    seen: set[tuple[str, int]] = set()
+    for i, c in enumerate(v):
+        if (c.op, c.tokens) in seen:
+            raise ValueError(f"item {i}: cell {c.op}@{c.tokens} appears twice")
+        seen.add((c.op, c.tokens))
+    return v
 
 
 class TrialReport(Strict):
     """The result of one trial of a candidate on a node (idempotency key: replay counts once)."""
 
     idempotency_key: str = Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
-    rollout_id: int
+    rollout_id: RolloutId
     stratum: str = Field(max_length=96)
     candidate: BundleRef
     stable: BundleRef | None
     outcome: Outcome
-    measured_at: dt.datetime
+    measured_at: MeasuredAt
     duration_s: NonNegFinite = 0.0
     latency: list[LatencyPair] = Field(default_factory=list, max_length=10_000)
     numerics: list[NumericCheck] = Field(default_factory=list, max_length=10_000)
@@ -153,6 +249,12 @@ class TrialReport(Strict):
     e2e_candidate_s: LatencySeconds | None = None
     launches_per_call: dict[str, int] = Field(default_factory=dict)
     peak_memory_bytes: MemoryBytes | None = None
+    resources: Annotated[list[CellResources], AfterValidator(_unique_cells)] = Field(
+        default_factory=list, max_length=10_000)
+    weights: Annotated[list[CellWeight], AfterValidator(_unique_cells)] = Field(
+        default_factory=list, max_length=10_000)
+    e2e_pairs: list[E2EPair] = Field(default_factory=list, max_length=1000)
+    free_memory_bytes: MemoryBytes | None = None  # the node's free device memory when the trial started
     detail: str = Field("", max_length=8192)  # human-readable: error text, signal, exit code
 
 
@@ -164,6 +266,8 @@ class ReportBatch(Strict):
 class ReportBatchResponse(Strict):
     accepted: int
     duplicates: int
+    # idempotency key -> why it does not count (not a current canary, rollout not live); not stored, not retried
+    refused: dict[str, str] = Field(default_factory=dict)
 
 
 class ErrorBody(Strict):

@@ -4,12 +4,14 @@ Triton compiles for a ``GPUTarget`` without a GPU, so CPU build machines emit re
 with the interpreter switched off and line info disabled (no build-path strings end up in the binaries, so
 outputs are byte-identical wherever the sources live). Results are cached under
 ``<cache_dir>/<key[:2]>/<key>/`` keyed by source digest, function, signature, constexprs, launch options, arch
-and Triton version, so CI's repeated builds are fast.
+and Triton version, so CI's repeated builds are fast; concurrent builds on one cache compile one at a time
+(a lock file), so the second finds what the first compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -156,6 +158,20 @@ def compile_spec(spec: AotSpec, arch: str, source_digest: str, cache_dir: Path) 
     except OSError:  # another build filled the same entry first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def compile_lock(cache_dir: Path) -> Iterator[None]:
+    """Hold the cache's compile lock: one compiling build per cache at a time, so a concurrent build of the
+    same kernels (pytest-xdist workers, two ``bundle build`` commands) waits, re-checks the cache and finds
+    them compiled instead of compiling them a second time. Not reentrant."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(cache_dir) / ".compile.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)

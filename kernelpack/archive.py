@@ -4,7 +4,9 @@ Writing: members sorted by name, regular files only, mode 0644, mtime 0, uid/gid
 gzip header mtime 0 and no file name, so the same members always give the same bytes. Reading: every header
 is checked before its data is read (regular file, relative normalised path without ``..``, no duplicates,
 per-member and total size limits, member count), so a hostile archive cannot escape a directory or exhaust
-memory. Reading never executes anything.
+memory. Decompression is streamed through a counter: reading stops with :class:`SizeLimitError` as soon as
+the uncompressed stream (tar headers, extended headers, padding and data) passes ``Limits.stream_cap``, so a
+gzip bomb costs at most that many bytes of work, whatever its headers claim. Reading never executes anything.
 """
 
 from __future__ import annotations
@@ -32,8 +34,45 @@ class Limits:
     max_members: int = 20_000
     max_archive_bytes: int = 256 * MiB
 
+    @property
+    def stream_cap(self) -> int:
+        """Most uncompressed bytes ever read: the content limit plus tar overhead (headers, padding)."""
+        return self.max_total_bytes + 2048 * min(self.max_members, 100_000) + MiB
+
 
 DEFAULT_LIMITS = Limits()
+
+
+class _CappedStream:
+    """A read/seek/tell file over a gzip stream that refuses to decompress past ``cap`` bytes."""
+
+    def __init__(self, blob: bytes, cap: int) -> None:
+        self._gz = gzip.GzipFile(fileobj=io.BytesIO(blob), mode="rb")
+        self.cap = cap
+
+    def _over(self) -> SizeLimitError:
+        return SizeLimitError(f"archive decompresses to more than {self.cap} bytes (the uncompressed limit)")
+
+    def read(self, n: int = -1) -> bytes:
+        room = self.cap + 1 - self._gz.tell()
+        data = self._gz.read(room if n is None or n < 0 else min(n, room))
+        if self._gz.tell() > self.cap:
+            raise self._over()
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        target = offset if whence == 0 else self._gz.tell() + offset if whence == 1 else None
+        if target is None:
+            raise OSError("seeking from the end of a compressed stream is not supported")
+        if target > self.cap:
+            raise self._over()
+        return self._gz.seek(target)
+
+    def tell(self) -> int:
+        return self._gz.tell()
+
+    def close(self) -> None:
+        self._gz.close()
 
 
 def check_member_name(name: str) -> str:
@@ -82,7 +121,8 @@ def read_archive(blob: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, byte
     members: dict[str, bytes] = {}
     total = 0
     try:
-        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        stream = _CappedStream(blob, limits.stream_cap)
+        with tarfile.open(fileobj=stream, mode="r:") as tar:  # type: ignore[call-overload]
             for count, info in enumerate(tar, start=1):
                 if count > limits.max_members:
                     raise SizeLimitError(f"archive has more than {limits.max_members} members")

@@ -1,9 +1,10 @@
 """``bundle build``: bundle.toml + kernel sources -> a signed, deterministic .kpack.
 
 Steps: validate bundle.toml; collect each op's module (from the installed ``kernelpack.kernels`` package or a
-bundle-local ``kernels/<file>.py``) as ``kernels/<op>.py`` plus any sibling modules it imports relatively;
+bundle-local ``kernels/<file>.py``) as ``kernels/<op>.py`` plus any sibling modules it imports relatively (a
+bundle-local module may import ``stable_<op>``: the installed ``kernelpack.kernels.<op>`` source, bundled);
 check the import rules; import them under a throw-away private package; compile every ``OP.aot`` spec for every
-target arch and every dtype of the op's domain (``kernelpack.aot``, cached); add golden vectors from
+target arch (or the subset asked for) and every dtype of the op's domain (``kernelpack.aot``, cached); add golden vectors from
 ``kernelpack.harness.golden`` when it is installed; record sizes and sha256 of every member; sign the canonical
 manifest; write the archive deterministically. The same sources always give the same bytes.
 """
@@ -16,6 +17,7 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from typing import Any
 import triton
 from pydantic import ValidationError
 
-from kernelpack.aot import Job, cached, compile_jobs, default_cache_dir, representative_specs
+from kernelpack.aot import Job, cached, compile_jobs, compile_lock, default_cache_dir, representative_specs
 from kernelpack.archive import write_archive
 from kernelpack.errors import BuildError, BundleError
 from kernelpack.kernels.spec import AotSpec, KernelOp
@@ -47,6 +49,7 @@ GOLDEN_SEED = 0
 ALLOWED_TOP_LEVEL = {"torch", "triton", "math", "functools", "dataclasses", "typing", "collections", "itertools",
                      "__future__", "operator", "enum", "abc", "random", "struct", "os", "warnings"}
 ALLOWED_KERNELPACK = {"kernelpack.kernels.spec"}
+STABLE_PREFIX = "stable_"  # a relative import of stable_<op> in a bundle-local module: kernelpack.kernels.<op>
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ def collect_sources(src_dir: Path, source: BundleSource) -> tuple[dict[str, byte
                 continue
             seen.add(sib)
             sp = base / f"{sib}.py"
+            if not sp.is_file() and sib.startswith(STABLE_PREFIX):
+                # ``from . import stable_<op>``: the installed op module's source, bundled (and signed) under
+                # that name, so a small module can reuse the stable op and override only what it changes
+                sp = pkg_dir / f"{sib[len(STABLE_PREFIX):]}.py"
             if not sp.is_file():
                 raise BuildError(f"kernel {k.op}: relative import of {sib!r} but {sp} does not exist")
             sdata = sp.read_bytes()
@@ -172,10 +179,21 @@ def build_bundle(
     key: Path,
     *,
     cache_dir: Path | None = None,
+    aot_archs: Iterable[str] | None = None,
 ) -> BuildResult:
-    """Build the bundle in directory ``src`` into ``out`` signed with private key file ``key``."""
+    """Build the bundle in directory ``src`` into ``out`` signed with private key file ``key``.
+
+    ``aot_archs`` limits ahead-of-time compilation to those target archs (default: every target arch;
+    an empty list builds a source-only bundle, as a CPU fleet that runs kernels through Triton's
+    interpreter needs). The manifest's ``artifacts`` list says exactly which archs were compiled; nodes
+    JIT-compile from the same signed sources either way.
+    """
     src = Path(src)
     source = load_source(src)
+    only = None if aot_archs is None else set(aot_archs)
+    if only is not None and (unknown := sorted(only - set(source.targets.archs))):
+        raise BuildError(f"cannot compile ahead of time for {unknown[0]}: not one of the bundle's target "
+                         f"archs ({', '.join(source.targets.archs)})")
     private_key = load_private_key(key)
     if triton.__version__ != source.targets.triton:
         raise BuildError(f"bundle targets Triton {source.targets.triton} but {triton.__version__} is installed")
@@ -194,12 +212,14 @@ def build_bundle(
             (stage / name).write_bytes(data)
         ops = _import_ops(source, files, stage, tag)
         plan: list[tuple[str, str, str, int, AotSpec]] = []
-        jobs: list[Job] = []
+        jobs: list[tuple[Job, list[AotSpec]]] = []
         for k in source.kernels:
             op = ops[k.op]
             if op.aot is None:
                 raise BuildError(f"kernel {k.op} has no aot(): it cannot be compiled ahead of time")
             for arch in k.built_for(source.targets):
+                if only is not None and arch not in only:
+                    continue
                 config = {**op.default_config, **k.config_for(arch)}
                 for dtype in op.domain.dtypes:
                     try:
@@ -207,11 +227,16 @@ def build_bundle(
                     except Exception as exc:
                         raise BuildError(f"kernel {k.op} {arch} {dtype}: aot() failed: {exc}") from exc
                     plan.extend((k.op, arch, dtype, i, s) for i, s in enumerate(specs))
-                    if any(cached(s, arch, digests[k.op], cache) is None for s in specs):
-                        jobs.append(Job(k.op, arch, dtype, config))
-        if jobs:
-            log.info("compiling %d (op, arch, dtype) groups ahead of time", len(jobs))
-            compile_jobs(stage, jobs, digests, cache)
+                    jobs.append((Job(k.op, arch, dtype, config), specs))
+
+        def missing() -> list[Job]:
+            return [j for j, specs in jobs if any(cached(s, j.arch, digests[j.op], cache) is None for s in specs)]
+
+        if missing():
+            with compile_lock(cache):  # a concurrent build may have compiled them meanwhile: look again
+                if todo := missing():
+                    log.info("compiling %d (op, arch, dtype) groups ahead of time", len(todo))
+                    compile_jobs(stage, todo, digests, cache)
         for op_name, arch, dtype, i, aspec in plan:
             c = cached(aspec, arch, digests[op_name], cache)
             if c is None:

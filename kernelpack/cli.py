@@ -64,12 +64,21 @@ def bundle_build(
     cache_dir: Annotated[
         Path | None, typer.Option("--cache-dir", help="Ahead-of-time compile cache (default: user cache).")
     ] = None,
+    aot_arch: Annotated[
+        list[str] | None,
+        typer.Option("--aot-arch", help="Compile ahead of time only for this target arch (repeatable; "
+                     "default: every target arch)."),
+    ] = None,
+    no_aot: Annotated[
+        bool, typer.Option("--no-aot", help="Source-only bundle: no ahead-of-time artifacts (nodes JIT).")
+    ] = False,
 ) -> None:
     """Validate, compile ahead of time for every target arch, sign and write a bundle."""
     from kernelpack.build import build_bundle  # imports triton's compiler; keep other commands light
 
+    archs = [] if no_aot else (aot_arch or None)
     try:
-        res = build_bundle(src, output, key, cache_dir=cache_dir)
+        res = build_bundle(src, output, key, cache_dir=cache_dir, aot_archs=archs)
     except (BundleError, OSError) as exc:
         _fail(exc)
     m = res.manifest

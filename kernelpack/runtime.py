@@ -10,6 +10,14 @@ a reader sees either the old or the new document, never a mix. :func:`get_op` re
 inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
 the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
 changed); loaded versions stay cached by digest so switching back is instant.
+
+Code that captures kernel launches (CUDA graphs, compiled graphs) never calls ``get_op`` again once captured, so
+the runtime also says *when* what it serves may have changed: :attr:`Runtime.generation` goes up by one each
+time a new active document is seen, :meth:`Runtime.poll` checks for one (one ``stat``) and returns the
+generation, :meth:`Runtime.served_key` names the versions a bundle is served from (equal keys: the same
+kernels, so a capture made under one key stays valid under it), :meth:`Runtime.subscribe` registers a callback
+run after each change, and :meth:`Runtime.watch` polls from a daemon thread for processes with no step loop.
+``kernelpack.integrations.graphs`` uses these to re-capture after a switch.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +136,10 @@ class Runtime:
     _refs: dict[str, BoundOp] = field(default_factory=dict)  # op -> reference-only op
     _lock: threading.Lock = field(default_factory=threading.Lock)
     reason: dict[str, str] = field(default_factory=dict)  # bundle -> why it is not on the active version
+    generation: int = 0  # +1 each time a new active document is seen (see module docstring)
+    _listeners: list[Callable[[int], None]] = field(default_factory=list)
+    _watcher: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def _refresh(self) -> None:
         if self.runtime_dir is None:
@@ -144,7 +156,80 @@ class Runtime:
         except (OSError, ValueError) as exc:  # unreadable document: keep serving what we had
             log.error("cannot read %s: %s; keeping the previous versions", ACTIVE_FILE, exc)
             return
+        changed = active != self._active
         self._active, self._stamp = active, stamp
+        if changed:
+            self.generation += 1
+
+    def poll(self) -> int:
+        """Re-read the active document if it changed (one ``stat`` otherwise); the current generation.
+
+        Subscribers are called (outside the lock, in this thread) when the generation went up."""
+        with self._lock:
+            before = self.generation
+            self._refresh()
+            after = self.generation
+        if after != before:
+            self._notify(after)
+        return after
+
+    def served_key(self, bundle: str = "llm-fused") -> tuple[str, str]:
+        """(active digest, stable digest) of ``bundle`` as last read ("" where none): what get_op serves from."""
+        entry = self._active.get(bundle)
+        if entry is None:
+            return ("", "")
+        return (entry.digest, entry.stable.digest if entry.stable is not None else "")
+
+    def active_version(self, bundle: str = "llm-fused") -> str | None:
+        entry = self._active.get(bundle)
+        return entry.version if entry is not None else None
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``callback(generation)`` after every change seen by :meth:`poll`, ``get_op`` or the watcher;
+        returns a function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+        return unsubscribe
+
+    def _notify(self, generation: int) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for cb in listeners:
+            try:
+                cb(generation)
+            except Exception:  # a listener's failure must not stop serving
+                log.exception("kernel switch listener %r failed", cb)
+
+    def watch(self, interval_s: float = 0.05) -> threading.Thread:
+        """Poll every ``interval_s`` from a daemon thread (idempotent): subscribers then hear of a switch
+        within ``interval_s`` plus one ``stat`` even when no step calls :meth:`poll`."""
+        if interval_s <= 0:
+            raise ValueError("watch interval must be positive")
+        with self._lock:
+            if self._watcher is not None and self._watcher.is_alive():
+                return self._watcher
+            self._stop.clear()
+
+            def loop() -> None:
+                while not self._stop.wait(interval_s):
+                    self.poll()
+
+            self._watcher = threading.Thread(target=loop, name="kernelctl-runtime-watch", daemon=True)
+            self._watcher.start()
+            return self._watcher
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+        w = self._watcher
+        if w is not None and w is not threading.current_thread():
+            w.join(timeout=5)
+        self._watcher = None
 
     def _load(self, ref: ActiveRef) -> LoadedBundle | None:
         hit = self._loaded.get(ref.digest)
@@ -169,6 +254,14 @@ class Runtime:
         return lb
 
     def get_op(self, name: str, bundle: str = "llm-fused") -> BoundOp:
+        before = self.generation
+        try:
+            return self._get_op(name, bundle)
+        finally:
+            if self.generation != before:
+                self._notify(self.generation)
+
+    def _get_op(self, name: str, bundle: str) -> BoundOp:
         with self._lock:
             self._refresh()
             entry = self._active.get(bundle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,14 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+@pytest.fixture(autouse=True)
+def _postgres_outage_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The PostgreSQL restart test takes the shared server down for a moment: it runs alone (exclusive lock)
+    while every other test, on any xdist worker, holds a shared one."""
+    with dbutil.outage_lock(request.node.get_closest_marker("restarts_postgres") is not None):
+        yield
 
 
 @pytest.fixture(params=[pytest.param("sqlite"), pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -40,6 +49,57 @@ def empty_db_url(db_backend: str, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+DURATIONS_KEY = "kernelctl/seconds-per-file"
+# Seconds per file from one full run (--durations 40 of 2026-11-23, 2 workers on a loaded 2-core machine):
+# the order for a checkout whose pytest cache has no durations of its own yet.
+SEED = Path(__file__).with_name("durations.json")
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first, so that the pytest-xdist workers (``--dist loadfile``, collection order kept)
+    do not end on one long file while the other worker idles. A file's length is what it took last time
+    (recorded below in pytest's cache), else its figure in tests/durations.json, else a guess: the e2e
+    tests first, a file with a ``slow`` test next. A stable sort: the order inside a file does not change. Every worker reads the same
+    cache before any run writes it, so every worker collects the same order (xdist requires that)."""
+    cache = getattr(config, "cache", None)
+    known: dict[str, float] = (cache.get(DURATIONS_KEY, {}) if cache is not None else {}) or {}
+    seed = json.loads(SEED.read_text()) if SEED.is_file() else {}
+    guess: dict[str, float] = {}
+    for item in items:
+        f = _file_of(item.nodeid)
+        g = 1e6 if f.startswith("tests/e2e/") else (60.0 if item.get_closest_marker("slow") else 1.0)
+        guess[f] = float(seed.get(f, max(guess.get(f, 0.0), g)))
+    seconds = {f: float(known.get(f, g)) for f, g in guess.items()}
+    items.sort(key=lambda item: -seconds[_file_of(item.nodeid)])
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[_file_of(report.nodeid)] = _SECONDS.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def _record_durations(session: pytest.Session) -> None:
+    """Seconds per file of this run into pytest's cache (the xdist controller or a plain run; never a worker,
+    which sees only its own files), merged into what is there so that a run of some files keeps the rest;
+    nothing when tests were selected inside files (-k, -m, node ids)."""
+    config = session.config
+    if getattr(config, "cache", None) is None or hasattr(config, "workerinput") or not _SECONDS:
+        return
+    whole_files = (not config.option.keyword and config.option.markexpr in ("", "not gpu")
+                   and not any("::" in str(a) for a in config.args))
+    if not whole_files:  # a selection inside files would record too little for them
+        return
+    merged = {**(config.cache.get(DURATIONS_KEY, {}) or {}), **{f: round(s, 2) for f, s in _SECONDS.items()}}
+    config.cache.set(DURATIONS_KEY, merged)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _record_durations(session)
     with contextlib.suppress(Exception):  # best-effort cleanup of the migrated template database
         dbutil.drop_templates()

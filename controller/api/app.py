@@ -7,6 +7,7 @@ leadership. Every error answers JSON ``{"detail": "..."}`` with the status the A
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm.exc import StaleDataError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,6 +27,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
 from controller.api.deps import AppState
+from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, check_schema_current, make_engine, session_factory
 from controller.errors import KernelctlError
@@ -36,23 +38,39 @@ from kernelctl.settings import Settings
 
 log = logging.getLogger(__name__)
 
-JSON_BODY_LIMIT = 32 * 1024 * 1024  # any non-bundle request body
-
-
 class BodyLimitMiddleware:
-    """413 for bodies over the limit: at once from Content-Length, or while streaming without it."""
+    """Bounded request bodies: a size limit per route and a deadline for the whole body.
 
-    def __init__(self, app: ASGIApp, bundle_limit: int) -> None:
+    Headers: the request line and headers together at most ``max_header_bytes`` (431). Sizes: bundle uploads
+    ``max_bundle_bytes``, report batches ``max_report_body_bytes``, every other body
+    ``max_request_bytes``; 413 at once from Content-Length, or while streaming without it. Time: the body must
+    arrive within ``body_timeout_seconds`` of the first read (408), so a client trickling a body cannot hold a
+    worker. (The request headers' deadline is the protocol's: ``controller.http_limits``.)
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.bundle_limit = bundle_limit
+        self.settings = settings
+
+    def limit_for(self, method: str, path: str) -> tuple[int, str]:
+        path = path.rstrip("/")
+        if method == "POST" and path == "/v1/bundles":
+            return self.settings.max_bundle_bytes, "bundle"
+        if method == "POST" and path == "/v1/agents/reports":
+            return self.settings.max_report_body_bytes, "report batch"
+        return self.settings.max_request_bytes, "request body"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        is_bundle = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/bundles"
-        limit = self.bundle_limit if is_bundle else JSON_BODY_LIMIT
-        what = "bundle" if is_bundle else "request body"
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(k) + len(v) + 4 for k, v in scope.get("headers", []))
+        if head > self.settings.max_header_bytes:  # h11 bounds only a header block that arrives in pieces
+            await _send_json(send, 431, f"request line and headers of {head} bytes are over the limit of "
+                             f"{self.settings.max_header_bytes} bytes")
+            return
+        limit, what = self.limit_for(scope["method"], scope["path"])
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
@@ -63,14 +81,28 @@ class BodyLimitMiddleware:
                     await _send_json(send, 413, f"{what} of {length} bytes is over the limit of {limit} bytes")
                     return
         seen = 0
+        timeout = self.settings.body_timeout_seconds
+        deadline: float | None = None
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, deadline
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + timeout
+            if deadline == float("inf"):
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise HTTPException(408, f"{what} not received within {timeout:g} seconds",
+                                    headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise HTTPException(413, f"{what} is over the limit of {limit} bytes")
+                    raise HTTPException(413, f"{what} is over the limit of {limit} bytes",
+                                        headers={"Connection": "close"})
+                if not message.get("more_body", False):
+                    deadline = float("inf")  # complete: later receive() calls wait for a disconnect
             return message
 
         await self.app(scope, limited_receive, send)
@@ -170,6 +202,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "constraint violated"
         return _error(409, f"conflict with existing data: {cause}")
 
+    @app.exception_handler(DataError)
+    async def _data(_r: Request, exc: DataError) -> JSONResponse:
+        # a value the database refuses (out of range, NUL byte, ...): the request's fault, not the server's.
+        # Inputs are bounded at the wire first; this is the backstop, it never answers 5xx.
+        cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value refused"
+        log.warning("request value refused by the database: %s", cause)
+        return _error(422, f"a request value is out of range for the database: {cause[:200]}")
+
     @app.exception_handler(OperationalError)
     async def _db(_r: Request, exc: OperationalError) -> JSONResponse:
         cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
@@ -244,6 +284,10 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
         version=__version__,
         description="Canary rollouts of GPU kernel bundles: agents, bundles, rollouts, fleet and audit.",
         lifespan=lifespan,
+        # the schema and the interactive docs answer without a token: off unless KERNELCTL_API_DOCS is set
+        openapi_url="/openapi.json" if settings.api_docs else None,
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url=None,
     )
 
     @app.get("/healthz", include_in_schema=False)
@@ -266,8 +310,9 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
 
     for module in (routes_agents, routes_bundles, routes_rollouts, routes_fleet):
         app.include_router(module.router)
+    app.include_router(ui_router)
     _install_error_handlers(app)
 
-    app.add_middleware(BodyLimitMiddleware, bundle_limit=settings.max_bundle_bytes)
+    app.add_middleware(BodyLimitMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(getattr(app.state, "kctl", None), "metrics", None))
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
-AUTH_CACHE_SECONDS = 5.0
+AUTH_CACHE_SECONDS = 5.0  # default of settings.auth_cache_seconds
 
 
 @dataclass
@@ -34,6 +35,24 @@ class AppState:
     trusted_keys: dict | None = None
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
     _auth_lock: threading.Lock = field(default_factory=threading.Lock)
+    _rollbacks: Counter[int] = field(default_factory=Counter)  # rollout id -> rollbacks in flight here
+
+    @contextmanager
+    def rolling_back(self, rollout_id: int) -> Iterator[None]:
+        """Mark a rollback of ``rollout_id`` in flight: promotes of it are refused until it ends."""
+        with self._auth_lock:
+            self._rollbacks[rollout_id] += 1
+        try:
+            yield
+        finally:
+            with self._auth_lock:
+                self._rollbacks[rollout_id] -= 1
+                if self._rollbacks[rollout_id] <= 0:
+                    del self._rollbacks[rollout_id]
+
+    def rollback_pending(self, rollout_id: int) -> bool:
+        with self._auth_lock:
+            return self._rollbacks.get(rollout_id, 0) > 0
 
     @contextmanager
     def tx(self) -> Iterator[Session]:
@@ -42,14 +61,18 @@ class AppState:
             yield session
 
     def authenticate(self, token: str | None) -> Principal:
-        """Authenticate a bearer token (cached a few seconds: revocation takes effect within that time)."""
+        """Authenticate a bearer token (cached ``auth_cache_seconds``: a revocation or expiry made elsewhere
+        takes effect within that time; one made through this replica at once)."""
         if not token:
             raise AuthError("missing bearer token (send `Authorization: Bearer <token>`)")
+        if len(token) > 512:
+            raise AuthError("malformed bearer token (over 512 characters)")
         key = hash_token(token)
         now = time.monotonic()
+        ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
         with self._auth_lock:
             hit = self._auth_cache.get(key)
-            if hit is not None and now - hit[0] < AUTH_CACHE_SECONDS:
+            if hit is not None and now - hit[0] < ttl:
                 return hit[1]
         with self.factory() as session:
             principal = authenticate(session, token)
@@ -58,6 +81,17 @@ class AppState:
                 self._auth_cache.clear()
             self._auth_cache[key] = (now, principal)
         return principal
+
+    def forget_node(self, node: str) -> None:
+        """Drop the cached principals of ``node`` (its tokens were just revoked or replaced)."""
+        with self._auth_lock:
+            for key in [k for k, (_t, p) in self._auth_cache.items() if p.node == node]:
+                del self._auth_cache[key]
+
+    def forget_token(self, token_id: int) -> None:
+        with self._auth_lock:
+            for key in [k for k, (_t, p) in self._auth_cache.items() if p.token_id == token_id]:
+                del self._auth_cache[key]
 
 
 def get_state(request: Request) -> AppState:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -18,6 +20,9 @@ from controller.errors import Conflict, NotFound
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX + "/bundles", tags=["bundles"])
+# path parameters are bounded before they reach the database (a NUL byte or a megabyte name is a 422)
+BundleNamePath = Annotated[str, Path(max_length=128, pattern=r"^[ -~]+$")]
+VersionPath = Annotated[str, Path(max_length=64, pattern=r"^[ -~]+$")]
 
 
 def bundle_out(b: Bundle, *, manifest: bool = False) -> BundleOut:
@@ -63,9 +68,14 @@ async def push(request: Request, principal: Operator, state: State) -> BundleOut
     if state.trusted_keys is None:
         raise Conflict("the controller has no trusted keys (set KERNELCTL_TRUSTED_KEYS_DIR): it cannot verify bundles")
 
+    cfg = state.settings
+    limits = registry.upload_limits(max_bundle_bytes=cfg.max_bundle_bytes, max_files=cfg.max_bundle_files,
+                                    max_uncompressed_bytes=cfg.max_bundle_uncompressed_bytes)
+
     def work() -> BundleOut:
         with state.tx() as session:
-            bundle = registry.register_bundle(session, data, actor=principal.actor, trusted_keys=state.trusted_keys)
+            bundle = registry.register_bundle(session, data, actor=principal.actor, trusted_keys=state.trusted_keys,
+                                              limits=limits)
             session.flush()
             return bundle_out(bundle, manifest=True)
 
@@ -73,7 +83,8 @@ async def push(request: Request, principal: Operator, state: State) -> BundleOut
 
 
 @router.get("", response_model=list[BundleOut])
-def list_bundles(_p: Viewer, state: State, name: str | None = None) -> list[BundleOut]:
+def list_bundles(_p: Viewer, state: State,
+                 name: str | None = Query(None, max_length=128, pattern=r"^[ -~]*$")) -> list[BundleOut]:
     """Every registered bundle version (optionally of one name), oldest first."""
     with state.tx() as session:
         stmt = select(Bundle).options(selectinload(Bundle.targets)).order_by(Bundle.name, Bundle.created_at, Bundle.id)
@@ -90,14 +101,14 @@ def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped
 
 
 @router.get("/{name}/{version}", response_model=BundleOut)
-def show(name: str, version: str, _p: Viewer, state: State) -> BundleOut:
+def show(name: BundleNamePath, version: VersionPath, _p: Viewer, state: State) -> BundleOut:
     with state.tx() as session:
         return bundle_out(_get(session, name, version), manifest=True)
 
 
 @router.get("/{name}/{version}/content", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}}})
-def content(name: str, version: str, principal: CurrentPrincipal, state: State) -> Response:
+def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrincipal, state: State) -> Response:
     """The .kpack bytes (agents with a node token, operators, viewers); header X-Kernelctl-Digest."""
     require_role(principal, "agent", "viewer")
     if principal.is_enrollment:

@@ -1,12 +1,12 @@
-"""Rollout endpoints: start, list, status (strata, steps, latest verdicts with evidence), promote, rollback,
-pause, resume. Each change is one transaction of the rollout engine (which writes its changelog event)."""
+"""Rollout endpoints: start, list, status (strata, steps, latest verdicts with evidence), explain (every judged
+metric per stratum), promote, rollback, pause, resume. Each change is one transaction of the rollout engine (which writes its changelog event)."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
@@ -28,6 +28,8 @@ from controller.api.schemas import (
 from controller.compat import load_fleet
 from controller.db.models import Assignment, Bundle, Rollout, Verdict
 from controller.errors import Conflict, NotFound
+from controller.explain import RolloutExplain
+from controller.explain import explain as explain_rollout
 from kernelctl import wire
 
 RolloutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Rollout id.")]
@@ -40,6 +42,7 @@ def rollout_out(r: Rollout) -> RolloutOut:
     return RolloutOut(
         id=r.id, bundle=r.bundle.ref, state=r.state, step_index=r.step_index, created_by=r.created_by,
         created_at=r.created_at, updated_at=r.updated_at, reason=r.reason, forced=r.forced,
+        promote_from_step=None if r.state in rollouts.TERMINAL else rollouts.position(r),
     )
 
 
@@ -69,8 +72,8 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
     stratum_of = {n.id: n.stratum for n in load_fleet(session)}
     fleet_counts = Counter(stratum_of.values())
     nodes: dict[str, Counter] = defaultdict(Counter)
-    for node_id, desired, active in session.execute(
-        select(Assignment.node_id, Assignment.desired_bundle_id, Assignment.active_bundle_id)
+    for node_id, desired, active, phase in session.execute(
+        select(Assignment.node_id, Assignment.desired_bundle_id, Assignment.active_bundle_id, Assignment.phase)
         .where(Assignment.bundle_name == r.bundle.name, Assignment.rollout_id == r.id)
     ):
         st = stratum_of.get(node_id)
@@ -80,13 +83,16 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
             nodes[st]["assigned"] += 1
         if active == r.bundle_id:
             nodes[st]["active"] += 1
+        if phase:
+            nodes[st][phase] += 1  # trial before serve: staged -> verified -> serving
     strata = [
         StratumOut(
             stratum=s.stratum, state=s.state, step_index=s.step_index, step_started_at=s.step_started_at,
             baseline=baselines.get(s.baseline_bundle_id) if s.baseline_bundle_id else None, reason=s.reason,
             first_failure_at=s.first_failure_at,
             nodes={"fleet": fleet_counts.get(s.stratum, 0), "assigned": nodes[s.stratum]["assigned"],
-                   "active": nodes[s.stratum]["active"]},
+                   "active": nodes[s.stratum]["active"],
+                   **{p: nodes[s.stratum][p] for p in ("staged", "verified", "serving")}},
             latest_verdict=_verdict_out(latest[s.stratum]) if s.stratum in latest else None,
         )
         for s in r.strata
@@ -131,7 +137,7 @@ def start(req: RolloutStartRequest, principal: Operator, state: State) -> Rollou
     def tx() -> RolloutDetail:
         with state.tx() as session:
             r = rollouts.start_rollout(session, req.bundle, actor=principal.actor, plan=req.plan, force=req.force,
-                                       reason=req.reason)
+                                       reason=req.reason, accept_contract_change=req.accept_contract_change)
             session.flush()
             return rollout_detail(session, _id(r))
 
@@ -139,7 +145,9 @@ def start(req: RolloutStartRequest, principal: Operator, state: State) -> Rollou
 
 
 @router.get("", response_model=list[RolloutOut])
-def list_rollouts(_p: Viewer, state: State, state_filter: str | None = None, limit: int = 100) -> list[RolloutOut]:
+def list_rollouts(_p: Viewer, state: State,
+                  state_filter: str | None = Query(None, max_length=32, pattern=r"^[a-z_]+$"),
+                  limit: int = Query(100, ge=1, le=10_000)) -> list[RolloutOut]:
     with state.tx() as session:
         stmt = select(Rollout).options(selectinload(Rollout.bundle)).order_by(Rollout.id.desc()).limit(
             max(1, min(limit, 10_000)))
@@ -154,19 +162,48 @@ def show(rollout_id: RolloutId, _p: Viewer, state: State) -> RolloutDetail:
         return rollout_detail(session, rollout_id)
 
 
-@router.post("/{rollout_id}/promote", response_model=RolloutDetail)
-def promote(rollout_id: RolloutId, principal: Operator, state: State, req: PromoteRequest | None = None) -> RolloutDetail:
-    body = req or PromoteRequest()
-    return _transition(state, rollout_id, lambda s: rollouts.promote(
-        s, rollout_id, actor=principal.actor, full=body.full, reason=body.reason))
+@router.get("/{rollout_id}/explain", response_model=RolloutExplain)
+def explain(rollout_id: RolloutId, _p: Viewer, state: State,
+            stratum: Annotated[str | None, Query(max_length=96, description="Only this stratum.")] = None,
+            ) -> RolloutExplain:
+    """Every judged metric per stratum (value, bounds, margin, n, decision, which decided) and its history."""
+    with state.tx() as session:
+        return explain_rollout(session, rollout_id, stratum)
+
+
+@router.post("/{rollout_id}/promote", response_model=RolloutDetail,
+             responses={409: {"model": wire.ErrorBody, "description": "not at from_step (duplicate or race), "
+                              "terminal, or a rollback is in progress"}})
+def promote(rollout_id: RolloutId, req: PromoteRequest, principal: Operator, state: State) -> RolloutDetail:
+    """Advance a rollout one step from ``from_step`` (or fully with ``full``); exactly once per step."""
+    def action(s: Session) -> None:
+        rollouts.get_rollout(s, rollout_id, lock=True)  # wait for any writer holding it, then look
+        if state.rollback_pending(rollout_id):  # a live rollout's rollback always wins over a racing promote
+            raise Conflict(f"a rollback of rollout {rollout_id} is in progress: promote refused, nothing changed")
+        rollouts.promote(s, rollout_id, actor=principal.actor, full=req.full, reason=req.reason,
+                         from_step=req.from_step)
+
+    return _transition(state, rollout_id, action)
 
 
 @router.post("/{rollout_id}/rollback", response_model=RolloutDetail)
 def rollback(rollout_id: RolloutId, req: RollbackRequest, principal: Operator, state: State) -> RolloutDetail:
-    detail = _transition(state, rollout_id, lambda s: rollouts.rollback(
-        s, rollout_id, actor=principal.actor, reason=req.reason, strata=req.strata))
+    """Roll back now; while it runs, promotes of this rollout on this replica are refused (409)."""
+    with state.rolling_back(rollout_id):
+        detail = _rollback_transition(state, rollout_id, lambda s: rollouts.rollback(
+            s, rollout_id, actor=principal.actor, reason=req.reason, strata=req.strata))
     state.metrics.rollbacks.inc()
     return detail
+
+
+@retry(retry=retry_if_exception(_concurrent), stop=stop_after_attempt(10), wait=wait_random(0.02, 0.2),
+       reraise=True)
+def _rollback_transition(state, rollout_id: int, action) -> RolloutDetail:  # type: ignore[no-untyped-def]
+    """A rollback retries harder than other transitions: it must not lose to a racing writer."""
+    with state.tx() as session:
+        action(session)
+        session.flush()
+        return rollout_detail(session, rollout_id)
 
 
 @router.post("/{rollout_id}/pause", response_model=RolloutDetail)

@@ -34,6 +34,33 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     command.upgrade(alembic_config(engine), revision)
 
 
+def upgrade_embedded(engine: Engine) -> tuple[str | None, str | None] | None:
+    """Bring an embedded SQLite changelog to head (create it when empty); return (from, to) when it changed.
+
+    Only SQLite: a PostgreSQL schema changes through the explicit ``kernelctl db upgrade`` (shared by
+    replicas, reviewed by an operator), and ``check_schema_current`` refuses to serve with that hint.
+    """
+    from controller.db.engine import DatabaseError, check_reachable, is_sqlite
+
+    if not is_sqlite(engine):
+        return None
+    check_reachable(engine)
+    before, head = current_revision(engine), head_revision()
+    if before == head:
+        return None
+    if before is not None and before not in _known_revisions():
+        raise DatabaseError(
+            f"database {engine.url.render_as_string(hide_password=True)} is at revision {before}, which this "
+            f"version of kernelctl does not know (newer code wrote it?): code expects {head}"
+        )
+    upgrade(engine)
+    return before, head
+
+
+def _known_revisions() -> set[str]:
+    return {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
 def downgrade(engine: Engine, revision: str = "base") -> None:
     command.downgrade(alembic_config(engine), revision)
 

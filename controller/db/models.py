@@ -231,6 +231,11 @@ class Assignment(Base):
     staged: Mapped[dict[str, Any]] = mapped_column(JsonDoc, default=dict)  # {"versions": [...]}
     active_bundle_id: Mapped[int | None] = mapped_column(ForeignKey("bundles.id"))
     rollout_id: Mapped[int | None] = mapped_column(ForeignKey("rollouts.id"))
+    # trial before serve: a canary's candidate is "staged" (trialled, not served), "verified" (the controller
+    # accepted a hard-gates-passed report from this node) then "serving" (the node reported it active);
+    # None when the node runs its stable version
+    phase: Mapped[str | None] = mapped_column(String(16))
+    phase_at: Mapped[dt.datetime | None] = mapped_column()
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
@@ -249,6 +254,10 @@ class Activation(Base):
     bundle_name: Mapped[str] = mapped_column(String(128))
     started_at: Mapped[dt.datetime] = mapped_column()
     ended_at: Mapped[dt.datetime | None] = mapped_column()
+    # set when this version served as a canary's candidate: its rollout, and when the controller accepted the
+    # node's pre-serve trial (None: served before its trial, a plan with serve_before_trial)
+    rollout_id: Mapped[int | None] = mapped_column(ForeignKey("rollouts.id"))
+    verified_at: Mapped[dt.datetime | None] = mapped_column()
 
 
 # -------------------------------------------------------------------------------------- reports, verdicts
@@ -276,6 +285,8 @@ class Report(Base):
     measured_at: Mapped[dt.datetime] = mapped_column()
     received_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     detail: Mapped[dict[str, Any]] = mapped_column(JsonDoc, default=dict)
+    # the judged signals of the report (controller.signals): per-cell latency, aggregate, e2e, memory, launches
+    signals: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc, nullable=True)
 
 
 class Verdict(Base):
@@ -325,6 +336,7 @@ class ApiToken(Base):
     """A bearer token (stored as a SHA-256 hash) with a role; agent tokens may be bound to one node."""
 
     __tablename__ = "api_tokens"
+    __table_args__ = (Index("ix_api_tokens_node_name", "node_name"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -333,3 +345,4 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column()
+    expires_at: Mapped[dt.datetime | None] = mapped_column()  # None: never expires

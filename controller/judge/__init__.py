@@ -1,27 +1,39 @@
-"""Statistical judge for canary latency: anytime-valid confidence sequence, Kayenta-style baseline, simulator.
+"""Statistical judge for canary latency: anytime-valid margin tests, the metric family, simulator, baselines.
 
-Public entry points: :func:`judge_latency` (the judge the rollout engine calls every tick),
-:func:`controller.judge.mannwhitney.judge_mannwhitney` (the Kayenta-style baseline, for comparison only; imported on demand since it needs scipy) and ``sim_app`` in
-:mod:`controller.judge.cli` (``kernelctl sim judge``).
+Public entry points: :func:`judge_latency` (one metric), :func:`controller.judge.family.judge_family`
+(every judged metric of a stratum, with the multiplicity correction; what the rollout engine calls every
+tick), :func:`controller.judge.statistic.cell_log_ratio` (one report's sample of one cell),
+:func:`controller.judge.mannwhitney.judge_mannwhitney` (the Kayenta-style baseline, for comparison only;
+imported on demand since it needs scipy) and ``sim_app`` in :mod:`controller.judge.cli`
+(``kernelctl sim judge``).
 """
 
-from controller.judge.confseq import DEFAULT_CLIP, DEFAULT_LAMBDA_CAP, clip_log_ratios, eb_confseq
+from controller.judge.confseq import (
+    DEFAULT_BET_CAP,
+    DEFAULT_CLIP,
+    DEFAULT_RESOLUTION,
+    confidence_bound,
+    margin_test,
+)
 from controller.judge.latency import (
     DEFAULT_MAX_NODE_SHARE,
     LatencyVerdict,
     balance_by_node,
     default_clip,
+    default_resolution,
     judge_latency,
 )
 
 __all__ = [
+    "DEFAULT_BET_CAP",
     "DEFAULT_CLIP",
-    "DEFAULT_LAMBDA_CAP",
     "DEFAULT_MAX_NODE_SHARE",
+    "DEFAULT_RESOLUTION",
     "LatencyVerdict",
     "balance_by_node",
-    "clip_log_ratios",
+    "confidence_bound",
     "default_clip",
-    "eb_confseq",
+    "default_resolution",
     "judge_latency",
+    "margin_test",
 ]

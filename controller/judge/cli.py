@@ -1,6 +1,7 @@
 """``kernelctl sim`` Typer sub-app; owns the ``judge`` command (the judge simulator).
 
 The lead mounts ``sim_app`` as ``kernelctl sim``; other commands (``sim fleet``) are added elsewhere.
+Exit codes: 0 done; 2 bad option (unknown noise class or scenario, malformed list), one line naming it.
 """
 
 from __future__ import annotations
@@ -28,49 +29,68 @@ def _fmt_n(x: object) -> str:
     return "-" if x is None else f"{float(x):g}"  # type: ignore[arg-type]
 
 
+def _cells(row: dict[str, object]) -> list[str]:
+    """Judge column texts: false rollbacks or detection (<=10 ticks, median), pass median, undecided."""
+    out = []
+    for key in ("judge", "ttest", "mannwhitney"):
+        r = row.get(key)
+        if not isinstance(r, dict):
+            out.append("-")
+            continue
+        if "false_rollback_rate" in r:
+            text = f"FR {_fmt_rate(r['false_rollback_rate'])}"
+        else:
+            text = (f"det {_fmt_rate(r['rollback_rate'])} (<=10: {_fmt_rate(r['rollback_within_10_rate'])}, "
+                    f"med {_fmt_n(r['median_ticks_to_rollback'])})")
+        if "undecided_rate" in r:
+            text += f"; pass med {_fmt_n(r['median_ticks_to_pass'])}; undec {_fmt_rate(r['undecided_rate'])}"
+        out.append(text)
+    return out
+
+
 @sim_app.command("judge")
 def judge_cmd(
-    runs: int = typer.Option(10_000, "--runs", min=1, help="Simulated canaries per regression size."),
+    noise: str = typer.Option("iid", "--noise", help="Noise class: iid, autocorrelated, contention, offset, "
+                              "heavy, drift, or 'all'."),
+    runs: int = typer.Option(10_000, "--runs", min=1, help="Simulated canary steps per row."),
     seed: int = typer.Option(0, "--seed", help="Random seed (report figures on a seed you did not tune on)."),
-    regression: str = typer.Option("0.0,0.02,0.05,0.10", "--regression",
-                                   help="Comma-separated true slow-downs of the candidate (0.05 = 5%)."),
-    nodes: int = typer.Option(10, "--nodes", min=1, help="Canary nodes per run (one report per tick each)."),
-    max_samples: int = typer.Option(60, "--max-samples", min=1, help="Ticks (= samples per node) per run."),
+    nodes: str = typer.Option("1,3,10", "--nodes", help="Comma-separated canary sizes (one report per tick each)."),
+    scenario: str = typer.Option("identical,plus1,plus5,cell2x", "--scenario",
+                                 help="Comma-separated: identical, plus1 (+1% everywhere), plus5, cell2x "
+                                      "(least-traffic cell 2x slower)."),
+    ticks: int = typer.Option(60, "--ticks", min=1, help="Ticks to the step deadline (= samples per node)."),
+    cells: int = typer.Option(45, "--cells", min=1, help="(op, batch-size) cells per report."),
     margin_pct: float = typer.Option(2.0, "--margin-pct", min=0.0, help="Allowed slow-down in percent."),
-    alpha: float = typer.Option(0.05, "--alpha", min=1e-9, max=0.999, help="Confidence-sequence alpha."),
+    alpha: float = typer.Option(0.05, "--alpha", min=1e-9, max=0.999, help="Family false-rollback level."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Also run the t-test and "
+                                   "Mann-Whitney baselines on the same reports."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Compare the confidence-sequence judge with a Kayenta-style Mann-Whitney judge on simulated canaries."""
-    from controller.judge.sim import SimConfig, parse_regressions, results_rows, simulate  # numpy, scipy
+    """Simulate canary steps and judge them with the family judge and, side by side, two baselines."""
+    from controller.judge.noise import NOISE_CLASSES  # numpy, scipy
+    from controller.judge.sim import SimConfig, parse_csv, simulate
 
+    names = list(NOISE_CLASSES) if noise == "all" else [noise]
     try:
-        regs = parse_regressions(regression)
-        cfg = SimConfig(runs=runs, seed=seed, regressions=regs, nodes=nodes, max_samples=max_samples,
-                        margin=math.log1p(margin_pct / 100.0), alpha=alpha)
+        node_list = parse_csv(nodes, int)
+        scen = parse_csv(scenario)
+        cfgs = [SimConfig(runs=runs, seed=seed, noise=n, nodes=node_list, scenarios=scen, ticks=ticks, cells=cells,
+                          margin=math.log1p(margin_pct / 100.0), alpha=alpha, baselines=baselines) for n in names]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    report = simulate(cfg)
+    reports = [simulate(c) for c in cfgs]
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
         return
-    table = Table(title=f"judge simulation: {runs} runs x {nodes} nodes, <= {max_samples} samples/node, "
-                        f"margin +{margin_pct:g}%, seed {seed}")
-    for col in ("slow-down", "judge", "rollbacks", "median n", "p90 n", "passes", "pass n"):
-        table.add_column(col, justify="right")
-    for row in results_rows(report):
-        cs = row["confseq"]  # type: ignore[index]
-        kind = {"false_rollback": "false", "at_margin": "at margin"}.get(str(row["kind"]), "detect")
-        reg = f"{float(row['regression']) * 100:+g}% ({kind})"  # type: ignore[arg-type]
-        table.add_row(reg, "CS", _fmt_rate(cs["rollback_rate"]),
-                      _fmt_n(cs["median_samples_to_rollback"]), _fmt_n(cs["p90_samples_to_rollback"]),
-                      _fmt_rate(cs["pass_rate"]), _fmt_n(cs["median_samples_to_pass"]))
-        for key, label in (("mannwhitney", "MW+margin"), ("mannwhitney_no_effect_size", "MW")):
-            mw = row[key]  # type: ignore[index]
-            table.add_row("", label, _fmt_rate(mw["rollback_rate"]), _fmt_n(mw["median_samples_to_rollback"]),
-                          _fmt_n(mw["p90_samples_to_rollback"]), "-", "-", end_section=key != "mannwhitney")
     console = Console()
-    console.print(table)
-    console.print("rollbacks: share of runs rolled back at any tick (false rollbacks below the margin); "
-                  "n: samples per node at the decision; CS = confidence-sequence judge, MW = Kayenta-style "
-                  f"Mann-Whitney (with / without the margin as effect size). elapsed {report['elapsed_s']} s wall, "
-                  f"{report['cpu_s']} s CPU")
+    for rep in reports:
+        conf = rep["config"]
+        table = Table(title=f"sim judge --noise {conf['noise']['name']}: {runs} runs/row, {ticks} ticks to the "  # type: ignore[index]
+                            f"deadline, {cells} cells, margin +{margin_pct:g}%, alpha {alpha:g}, seed {seed}")
+        for col in ("nodes", "scenario", "judge (betting CS family)", "repeated t-test", "Mann-Whitney"):
+            table.add_column(col)
+        for row in rep["rows"]:  # type: ignore[union-attr]
+            table.add_row(str(row["nodes"]), str(row["scenario"]), *_cells(row))
+        console.print(table)
+        console.print(f"FR: false rollbacks at any tick; det: rolled back before any pass (<=10 ticks, median "
+                      f"ticks); undec: neither by the deadline. {rep['cpu_s']} s CPU, {rep['elapsed_s']} s wall")

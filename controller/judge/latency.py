@@ -1,20 +1,48 @@
-"""The latency judge the rollout engine calls every tick: regress / pass / hold for one stratum.
+"""The latency judge: regress / pass / hold for one judged metric of one stratum, every tick.
 
-Input: one paired sample per trial report, ``ln(candidate_time / stable_time)`` (the median over that
-report's interleaved pairs), in arrival order, optionally with the node id of each. The judge winsorises
-the samples (see :mod:`controller.judge.confseq`), applies per-node balance, computes the anytime-valid
-PrPl-EB confidence sequence [lower, upper] for the mean log-ratio and decides:
+Input: paired samples ``ln(candidate_time / stable_time)`` (one per trial report, see
+:mod:`controller.judge.statistic`), in arrival order, with the node of each — *all* of the rollout's
+samples for the stratum, across steps (evidence is carried: widening the canary adds nodes, it does not
+reset the sequence).
 
-* ``hold``    fewer than ``min_samples`` usable samples (no data is never a pass), or the interval
-              still contains the margin;
-* ``regress`` the lower bound is above ``+margin``: the candidate is slower than allowed (roll back);
-* ``pass``    the upper bound is below ``+margin``: the candidate is clearly not worse than the margin.
+Decision rule (issue 13): two one-sided **tests by betting** at the margin (Waudby-Smith & Ramdas,
+"Estimating means of bounded random variables by betting", JRSS B 86(1), 2024, arXiv:2010.09686,
+Sec. 4-5: the hedged-capital construction, one side at a time; see :mod:`controller.judge.confseq`):
 
-Because the interval holds uniformly over time, evaluating after every tick does not inflate the
-false-rollback rate. Per-node balance (noisy-neighbour protection): with m distinct nodes, no node may
-contribute more than ``max(max_node_share, 1/m)`` of the samples used (default share 20%). The cap is the
-largest per-node count k with k <= share * sum_j min(count_j, k); a node over the cap keeps its *earliest*
-k samples, so the selection depends only on arrival order, never on the values.
+* ``regress`` the wealth of the bet "the mean is above the margin" reached ``1/alpha``: by Ville's
+  inequality this happens with probability at most alpha, *at any time*, when the true (winsorised) mean
+  is at or below the margin — so looking every tick, for the whole rollout, is allowed;
+* ``pass``    the wealth of the bet "the mean is below the margin" reached ``1/alpha`` — anytime-valid
+  in the same way, so the caller may advance on ``pass`` alone (no fixed-sample t bound any more);
+* ``hold``    neither, or fewer than ``min_samples`` usable samples (no data is never a pass).
+
+The reported ``lower``/``upper`` are the confidence bounds obtained by inverting each test over m (the
+set of means each bet has not refuted); ``lower >= margin`` iff ``regress``.
+
+Why betting and not the empirical-Bernstein sequence of the first version: a bounded-data sequence pays
+for the *range* of the data, and the EB sequence's bet is capped at ``c / (2 * clip)`` in both
+directions, so a +5% regression on one node took ~36 samples. Each one-sided bet only has to survive a
+sample at its *near* winsorisation bound, ``resolution`` (D, default 3%) on the safe side of the margin:
+the regress test winsorises to ``[margin - D, clip]`` and may stake up to ``c / D`` per unit; the pass
+test winsorises to ``[-clip, margin + D]``. Winsorising at ``margin - D`` raises the mean of a report
+distribution only by ``E[(margin - D - X)+]`` (reports more than D *below* the margin: a candidate
+clearly faster), which the lower-half statistic keeps small; the guarantee is for the winsorised mean.
+
+Within-node dependence: Ville's inequality needs each sample's conditional mean, given the past, to be
+at most the margin. Autocorrelated node states break that for a naive Kelly bet, which stakes as if
+every sample were new information. Here the bet is the Gaussian-Kelly fraction ``g / (kappa * v)`` with
+``kappa = (1 + rho) / (1 - rho)``, rho the lag-1 correlation between consecutive samples *of the same
+node* (estimated predictably, capped at 10): the long-run-variance (batch-means) correction, so a run of
+correlated samples buys as much wealth as the independent information it carries. This is a robustness
+device, not an exact proof under arbitrary dependence (no test is at one node: a node whose ratio really
+sits above the margin for a long stretch is, for that stretch, a slower candidate); the simulator
+measures it under strong within-node AR(1) (``kernelctl sim judge --noise autocorrelated``).
+
+Per-node balance (noisy-neighbour protection), decided **online** so that a sample's use never changes
+later (the sequence is nested in time, as Ville's inequality needs): with m distinct nodes seen so far
+(m >= 5), a sample is used only if its node then holds less than ``max_node_share`` (20%) of the used
+samples (+1). With fewer than 5 nodes nobody is capped, so the first canary's history is kept in full
+when the canary widens.
 """
 
 from __future__ import annotations
@@ -26,12 +54,18 @@ from typing import Literal
 
 import numpy as np
 
-from controller.judge.confseq import DEFAULT_CLIP, DEFAULT_LAMBDA_CAP, clip_log_ratios, eb_confseq
+from controller.judge.confseq import (
+    DEFAULT_BET_CAP,
+    DEFAULT_CLIP,
+    DEFAULT_RESOLUTION,
+    confidence_bound,
+    margin_test,
+)
 
 DEFAULT_MAX_NODE_SHARE = 0.2
 """Largest share of the samples one node may contribute (when there are at least 5 nodes)."""
 
-METHOD = "prpl-eb-cs (Waudby-Smith & Ramdas 2024)"
+METHOD = "one-sided betting tests at the margin (Waudby-Smith & Ramdas 2024), node-dependence-robust bets"
 
 HOLD, PASS, REGRESS = 0, 1, 2
 _NAMES: dict[int, Literal["regress", "pass", "hold"]] = {HOLD: "hold", PASS: "pass", REGRESS: "regress"}
@@ -39,7 +73,7 @@ _NAMES: dict[int, Literal["regress", "pass", "hold"]] = {HOLD: "hold", PASS: "pa
 
 @dataclass(frozen=True)
 class LatencyVerdict:
-    """Decision and evidence for one stratum at one tick (log-ratio units; ``pct`` helpers for humans)."""
+    """Decision and evidence for one metric at one tick (log-ratio units; ``pct`` helpers for humans)."""
 
     decision: Literal["regress", "pass", "hold"]
     n: int
@@ -53,6 +87,11 @@ class LatencyVerdict:
     reason: str
     dropped: int = 0
     nodes: int = 0
+    log_wealth_regress: float = 0.0
+    log_wealth_pass: float = 0.0
+    resolution: float = DEFAULT_RESOLUTION
+    clip: float = DEFAULT_CLIP
+    alpha_pass: float = 0.05
 
     def as_dict(self) -> dict[str, object]:
         """JSON-safe evidence for the changelog."""
@@ -69,49 +108,94 @@ class LatencyVerdict:
             "nodes": self.nodes,
             "method": self.method,
             "reason": self.reason,
+            "log_wealth_regress": self.log_wealth_regress,
+            "log_wealth_pass": self.log_wealth_pass,
+            "alpha_pass": self.alpha_pass,
+            "threshold": math.log(1.0 / self.alpha),
+            "threshold_pass": math.log(1.0 / self.alpha_pass),
+            "resolution": self.resolution,
+            "clip": self.clip,
         }
 
 
-def decide(
-    lower: np.ndarray, upper: np.ndarray, n: np.ndarray, *, margin: float, min_samples: int
-) -> np.ndarray:
-    """Vectorised decision rule shared by :func:`judge_latency` and the simulator (HOLD/PASS/REGRESS codes)."""
-    lower, upper, n = np.asarray(lower), np.asarray(upper), np.asarray(n)
+def decide(regress_wealth: np.ndarray, pass_wealth: np.ndarray, n: np.ndarray, *, alpha: float,
+           min_samples: int, alpha_pass: float | None = None) -> np.ndarray:
+    """Vectorised decision rule shared by :func:`judge_latency` and the simulator (HOLD/PASS/REGRESS codes).
+
+    Inputs are running-max log-wealths of the two margin tests and the sample counts at the same looks.
+    """
+    thr = math.log(1.0 / alpha)
+    thr_pass = thr if alpha_pass is None else math.log(1.0 / alpha_pass)
+    regress_wealth, pass_wealth, n = np.asarray(regress_wealth), np.asarray(pass_wealth), np.asarray(n)
     enough = n >= min_samples
-    out = np.full(np.broadcast(lower, upper, n).shape, HOLD, dtype=np.int8)
-    out[enough & (upper < margin)] = PASS
-    out[enough & (lower > margin)] = REGRESS
+    out = np.full(np.broadcast(regress_wealth, pass_wealth, n).shape, HOLD, dtype=np.int8)
+    out[enough & (pass_wealth >= thr_pass)] = PASS
+    out[enough & (regress_wealth >= thr)] = REGRESS
     return out
 
 
+def sequential_wealth(x: np.ndarray, *, margin: float, resolution: float, clip: float,
+                      cap: float = DEFAULT_BET_CAP, prev: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Running-max log-wealth of the regress and pass tests over the last axis (vectorised core)."""
+    up = margin_test(x, side="regress", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
+    down = margin_test(x, side="pass", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
+    return up, down
+
+
 def balance_by_node(node_ids: Sequence[str], max_share: float = DEFAULT_MAX_NODE_SHARE) -> np.ndarray:
-    """Boolean mask of the samples kept by the per-node share cap (see module docstring)."""
+    """Boolean mask of the samples kept by the online per-node share cap (see module docstring)."""
     if not 0 < max_share <= 1:
         raise ValueError(f"max_node_share must be in (0, 1], got {max_share!r}")
-    if len(node_ids) == 0:
-        return np.zeros(0, dtype=bool)
-    _, inverse, counts = np.unique(np.asarray(node_ids, dtype=object).astype(str), return_inverse=True,
-                                   return_counts=True)
-    share = max(max_share, 1.0 / len(counts))
-    lo, hi = 1, int(counts.max())  # f(k) = share * sum(min(c, k)) - k is concave with f(0)=0, f(1)>=0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if mid <= share * np.minimum(counts, mid).sum() + 1e-9:
-            lo = mid
-        else:
-            hi = mid - 1
-    cap = lo
-    # rank of each sample within its node, in arrival order
-    order = np.argsort(inverse, kind="stable")
-    rank = np.empty(len(inverse), dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    rank[order] = np.arange(len(inverse)) - np.repeat(starts, counts)
-    return rank < cap
+    keep = np.zeros(len(node_ids), dtype=bool)
+    kept: dict[str, int] = {}
+    total = 0
+    min_nodes = math.ceil(1.0 / max_share - 1e-9)
+    for i, node in enumerate(node_ids):
+        k = str(node)
+        c = kept.setdefault(k, 0)
+        if len(kept) < min_nodes or c < max_share * (total + 1) or c == 0:
+            keep[i] = True
+            kept[k] = c + 1
+            total += 1
+    return keep
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What the judge derives from the node ids alone (shared by every metric of one stratum)."""
+
+    keep: np.ndarray  # samples used (online per-node balance)
+    prev: np.ndarray  # per used sample: index (among used samples) of its node's previous one, or -1
+    nodes: int
+
+    @classmethod
+    def of(cls, node_ids: Sequence[str], max_share: float = DEFAULT_MAX_NODE_SHARE) -> NodePlan:
+        keep = balance_by_node(node_ids, max_share)
+        ids = [str(x) for x in node_ids]
+        kept = [ids[i] for i in np.flatnonzero(keep)]
+        return cls(keep=keep, prev=previous_of_node(kept), nodes=len(set(ids)))
+
+
+def previous_of_node(node_ids: Sequence[str]) -> np.ndarray:
+    """Index of the previous sample of the same node (-1 for a node's first sample)."""
+    last: dict[str, int] = {}
+    prev = np.full(len(node_ids), -1, dtype=np.int64)
+    for i, node in enumerate(node_ids):
+        k = str(node)
+        prev[i] = last.get(k, -1)
+        last[k] = i
+    return prev
 
 
 def default_clip(margin: float) -> float:
-    """Clip bound used when none is given: ``max(DEFAULT_CLIP, 5 * margin)``."""
+    """Far winsorisation bound used when none is given: ``max(DEFAULT_CLIP, 5 * margin)``."""
     return max(DEFAULT_CLIP, 5.0 * margin)
+
+
+def default_resolution(margin: float) -> float:
+    """Near-bound distance D used when none is given: ``max(DEFAULT_RESOLUTION, 1.5 * margin)``."""
+    return max(DEFAULT_RESOLUTION, 1.5 * margin)
 
 
 def _pct(log_ratio: float) -> str:
@@ -154,39 +238,66 @@ def judge_latency(
     min_samples: int = 5,
     node_ids: Sequence[str] | None = None,
     clip: float | None = None,
-    lambda_cap: float = DEFAULT_LAMBDA_CAP,
+    lambda_cap: float = DEFAULT_BET_CAP,
     max_node_share: float = DEFAULT_MAX_NODE_SHARE,
+    resolution: float | None = None,
+    alpha_pass: float | None = None,
+    node_plan: NodePlan | None = None,
 ) -> LatencyVerdict:
     """Judge paired log-ratios ``ln(candidate/stable)`` (arrival order) against ``+margin``.
 
-    ``clip`` defaults to ``default_clip(margin)``. Raises ``ValueError`` naming the problem for non-finite
-    samples, mismatched ``node_ids`` or bad parameters.
+    ``clip`` (far winsorisation bound) defaults to ``default_clip(margin)``, ``resolution`` (distance of
+    each test's near bound from the margin) to ``default_resolution(margin)``; ``lambda_cap`` is the bet
+    cap c in (0, 1); ``alpha_pass`` (default ``alpha``) is the level of the pass test. Raises
+    ``ValueError`` naming the problem for non-finite samples, mismatched
+    ``node_ids`` or bad parameters.
     """
     x = _validate(samples, node_ids, margin, alpha, min_samples)
+    alpha_pass = alpha if alpha_pass is None else alpha_pass
+    if not (isinstance(alpha_pass, (int, float)) and 0 < alpha_pass < 1):
+        raise ValueError(f"alpha_pass must be in (0, 1), got {alpha_pass!r}")
     clip = default_clip(margin) if clip is None else clip
-    if not (math.isfinite(clip) and clip > 2 * margin):
-        raise ValueError(f"clip {clip!r} must be finite and more than twice the margin {margin:.4f}")
+    resolution = default_resolution(margin) if resolution is None else resolution
+    if not (math.isfinite(resolution) and resolution > 0):
+        raise ValueError(f"resolution must be a positive finite log-ratio, got {resolution!r}")
+    if not (math.isfinite(clip) and clip > 2 * margin and clip > margin + resolution / 2):
+        raise ValueError(f"clip {clip!r} must be finite and more than twice the margin {margin:.4f} "
+                         f"and above margin + resolution / 2")
+    if not 0 < lambda_cap < 1:
+        raise ValueError(f"lambda_cap must be in (0, 1), got {lambda_cap!r}")
     dropped, nodes = 0, 0
+    prev = None
     if node_ids is not None:
-        keep = balance_by_node(node_ids, max_node_share)
-        dropped = int((~keep).sum())
-        nodes = len(set(map(str, node_ids)))
-        x = x[keep]
-    xc, n_clipped = clip_log_ratios(x, clip)
+        plan = NodePlan.of(node_ids, max_node_share) if node_plan is None else node_plan
+        if plan.keep.size != x.size:
+            raise ValueError(f"node_plan covers {plan.keep.size} samples but samples has {x.size}")
+        dropped = int((~plan.keep).sum())
+        nodes = plan.nodes
+        x = x[plan.keep]
+        prev = plan.prev
+    n_clipped = int((np.abs(x) > clip).sum())
     n = int(x.size)
-    common = {"n": n, "margin": margin, "alpha": alpha, "clipped": int(n_clipped), "method": METHOD,
-              "dropped": dropped, "nodes": nodes}
+    common = {"n": n, "margin": margin, "alpha": alpha, "alpha_pass": alpha_pass, "clipped": n_clipped, "method": METHOD,
+              "dropped": dropped, "nodes": nodes, "resolution": resolution, "clip": clip}
     notes = ""
     if n_clipped:
-        notes += f"; {int(n_clipped)} sample(s) clipped to ±{_pct(clip)[1:]}"
+        notes += f"; {n_clipped} sample(s) winsorised at ±{_pct(clip)[1:]}"
     if dropped:
-        notes += f"; {dropped} sample(s) ignored by per-node balance (max share {max(max_node_share, 1 / nodes):.0%})"
+        notes += f"; {dropped} sample(s) ignored by per-node balance (max share {max_node_share:.0%})"
     if n == 0:
         return LatencyVerdict(decision="hold", mean=None, lower=-clip, upper=clip,
                               reason=f"no samples yet (need {min_samples}){notes}", **common)
-    lower_s, upper_s, _ = eb_confseq(xc, alpha=alpha, bound=clip, lambda_cap=lambda_cap)
-    lower, upper, mean = float(lower_s[-1]), float(upper_s[-1]), float(xc.mean())
-    code = int(decide(np.array(lower), np.array(upper), np.array(n), margin=margin, min_samples=min_samples))
+    kw = {"margin": margin, "resolution": resolution, "far": clip, "cap": lambda_cap, "prev": prev}
+    up, down = sequential_wealth(x, margin=margin, resolution=resolution, clip=clip, cap=lambda_cap, prev=prev)
+    w_up, w_down = float(up[-1]), float(down[-1])
+    code = int(decide(np.array(w_up), np.array(w_down), np.array(n), alpha=alpha, min_samples=min_samples,
+                      alpha_pass=alpha_pass))
+    lower = confidence_bound(x, side="regress", alpha=alpha, **kw)  # type: ignore[arg-type]
+    upper = confidence_bound(x, side="pass", alpha=alpha_pass, **kw)  # type: ignore[arg-type]
+    # resolve the bisection tolerance in favour of the margin tests themselves
+    lower = max(lower, margin) if w_up >= math.log(1.0 / alpha) else min(lower, margin - 1e-12)
+    upper = min(upper, margin) if w_down >= math.log(1.0 / alpha_pass) else max(upper, margin + 1e-12)
+    mean = float(np.clip(x, -clip, clip).mean())
     span = f"over {n} samples"
     if n < min_samples:
         reason = f"too few samples: {n} < min_samples {min_samples}"
@@ -198,26 +309,5 @@ def judge_latency(
         reason = (f"inconclusive: interval [{_pct(lower)}, {_pct(upper)}] contains margin {_pct(margin)} "
                   f"{span} (mean {_pct(mean)})")
     return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=lower, upper=upper,
-                          reason=reason + notes, **common)
+                          reason=reason + notes, log_wealth_regress=w_up, log_wealth_pass=w_down, **common)
 
-
-def advance_upper_bound(samples: Sequence[float], *, alpha: float = 0.05,
-                        node_ids: Sequence[str] | None = None,
-                        max_node_share: float = DEFAULT_MAX_NODE_SHARE) -> float | None:
-    """One-sided Student-t upper confidence bound on the mean log-ratio, for the *advance* decision.
-
-    The two directions carry different risks. A false rollback is what the anytime-valid confidence
-    sequence above rules out, however often it is evaluated. A false advance only widens the canary, where
-    the confidence sequence keeps watching with more evidence; so advancing uses this fixed-sample bound,
-    which is far tighter at small n (the EB sequence needs 20+ samples however clean the data), taken once
-    the step's bake time and minimum samples are met. None when fewer than 2 samples.
-    """
-    from scipy import stats
-
-    x = np.asarray(samples, dtype=float)
-    if node_ids is not None:
-        x = x[balance_by_node(node_ids, max_node_share)]
-    if x.size < 2:
-        return None
-    sd = float(x.std(ddof=1))
-    return float(x.mean() + stats.t.ppf(1 - alpha, x.size - 1) * sd / math.sqrt(x.size))

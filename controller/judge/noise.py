@@ -142,3 +142,151 @@ def simulate_reports(
     stable = np.exp(level + np.median(e[..., 0], axis=-1))
     candidate = np.exp(level + shift + np.median(e[..., 1], axis=-1))
     return Reports(ratio=ratio.astype(np.float64), stable=stable, candidate=candidate)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Noise classes of ``kernelctl sim judge --noise NAME`` (issue 13): per-cell reports for the family judge
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NoiseClass:
+    """One named noise class of the family simulator (see ``NOISE_CLASSES`` and docs/benchmarks.md).
+
+    A report of node k at tick t holds, for each of ``cells`` (op, batch-size) cells, ``pairs``
+    interleaved (stable, candidate) timings; per-timing log-noise has sd ``sigma`` of the cell (cells are
+    spread over ``sigmas``). Everything else is added on top of that, in the log-ratio.
+    """
+
+    name: str
+    description: str
+    pairs: int = 8
+    sigmas: tuple[float, ...] = (0.01, 0.02, 0.03)
+    outlier_prob: float = 0.005  # a timing (either arm) slowed x U(2, 5)
+    tail_df: float = 0.0  # > 0: a share tail_frac of timings is slowed by sigma * |t(tail_df)|
+    tail_frac: float = 0.0
+    heavy_outlier_prob: float = 0.0  # extra outliers x U(2, 10)
+    ratio_phi: float = 0.0  # AR(1) of the log-ratio across a node's reports (all cells of a report)
+    ratio_sd: float = 0.0  # its stationary sd
+    burst_start: float = 0.0  # Markov contention bursts per node: P(off -> on) per tick
+    burst_stop: float = 0.5  # P(on -> off)
+    burst_hit: float = 0.4  # in a burst, each timing of ONE arm (random per report) is hit with this prob.
+    burst_min: float = 1.2
+    burst_max: float = 3.0
+    offset_ratio: float = 0.0  # node 0 only: persistent log-ratio offset
+    offset_sigma_mult: float = 1.0  # node 0 only: per-timing noise multiplier
+    drift_sd: float = 0.0  # per-node linear drift of the log-ratio: its value after 60 ticks ~ N(0, drift_sd)
+    e2e_pairs: int = 16  # end-to-end metric: interleaved block timings per report, sd e2e_sigma
+    e2e_sigma: float = 0.015
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+NOISE_CLASSES: dict[str, NoiseClass] = {c.name: c for c in (
+    NoiseClass("iid", "independent reports: Gaussian per-timing noise (sd 1-3% by cell), 0.5% outliers x2-5"),
+    NoiseClass("autocorrelated", "iid + strong within-node AR(1) of the log-ratio (phi 0.9, sd 0.5%) shared by "
+               "all cells of a report", ratio_phi=0.9, ratio_sd=0.005),
+    NoiseClass("contention", "iid + Markov contention bursts (on 30% of reports, mean 2.9 ticks) hitting ONE arm: "
+               "40% of its timings slowed x1.2-3", burst_start=0.15, burst_stop=0.35),
+    NoiseClass("offset", "iid + node 0 persistently different: log-ratio offset +0.5%, 2x timing noise",
+               offset_ratio=0.005, offset_sigma_mult=2.0),
+    NoiseClass("heavy", "heavy slow tail: 25% of timings slowed by sd*|t(1.5)| (infinite variance), + 3% "
+               "outliers x2-10", tail_df=1.5, tail_frac=0.25, heavy_outlier_prob=0.03),
+    NoiseClass("drift", "iid + per-node linear drift of the log-ratio, N(0, 0.7%) after 60 ticks",
+               drift_sd=0.007),
+)}
+
+
+def _timing_noise(rng: np.random.Generator, shape: tuple[int, ...], sigma: float, nc: NoiseClass) -> np.ndarray:
+    e = rng.standard_normal(shape) * sigma
+    if nc.tail_df > 0:  # one-sided: a timing is never much faster than the uncontended kernel
+        e += np.abs(rng.standard_t(nc.tail_df, shape)) * sigma * (rng.random(shape) < nc.tail_frac)
+    flat = e.reshape(-1)
+    idx = _scatter(rng, flat.size, nc.outlier_prob)
+    flat[idx] += np.log(rng.uniform(2.0, 5.0, idx.size))
+    idx = _scatter(rng, flat.size, nc.heavy_outlier_prob)
+    flat[idx] += np.log(rng.uniform(2.0, 10.0, idx.size))
+    return e
+
+
+def statistic_pool(rng: np.random.Generator, nc: NoiseClass, sigma: float, pairs: int, size: int,
+                   burst: bool) -> np.ndarray:
+    """``size`` draws of the per-report cell statistic (:func:`cell_log_ratios`) from raw timings.
+
+    ``burst``: the candidate arm is in a one-arm contention burst (negate a draw for the stable arm).
+    """
+    from controller.judge.statistic import cell_log_ratios
+
+    e = _timing_noise(rng, (size, pairs, 2), sigma, nc)
+    if burst:
+        hit = rng.random((size, pairs)) < nc.burst_hit
+        e[..., 1] += np.log(rng.uniform(nc.burst_min, nc.burst_max, (size, pairs))) * hit
+    return cell_log_ratios(np.exp(e[..., 0]), np.exp(e[..., 1])).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class FamilyReports:
+    """Simulated per-report samples: ``cells`` (runs, ticks, nodes, cells), ``e2e`` (runs, ticks, nodes)."""
+
+    cells: np.ndarray
+    e2e: np.ndarray
+
+
+class FamilyNoise:
+    """Draws family reports for one noise class; statistic pools are built once (vectorised, reused)."""
+
+    def __init__(self, nc: NoiseClass, cells: int, seed: int, pool: int = 1 << 15) -> None:
+        rng = np.random.default_rng([seed, 7919])
+        self.nc = nc
+        self.cell_sigma = np.array([nc.sigmas[i % len(nc.sigmas)] for i in range(cells)])
+        levels = sorted(set(nc.sigmas) | {s * nc.offset_sigma_mult for s in nc.sigmas} | {nc.e2e_sigma})
+        self.levels = levels
+        self.clean = {s: statistic_pool(rng, nc, s, nc.pairs, pool, False) for s in levels}
+        self.burst = ({s: statistic_pool(rng, nc, s, nc.pairs, pool, True) for s in levels}
+                      if nc.burst_start > 0 else {})
+        self.e2e_clean = statistic_pool(rng, nc, nc.e2e_sigma, nc.e2e_pairs, pool, False)
+        self.e2e_burst = (statistic_pool(rng, nc, nc.e2e_sigma, nc.e2e_pairs, pool, True)
+                          if nc.burst_start > 0 else None)
+        self.pool = pool
+
+    def draw(self, rng: np.random.Generator, *, runs: int, ticks: int, nodes: int, cell_effect: np.ndarray,
+             weights: np.ndarray) -> FamilyReports:
+        """Reports with per-cell true log-effects ``cell_effect``; e2e effect = traffic-weighted mean."""
+        nc, pool = self.nc, self.pool
+        ncell = cell_effect.size
+        shape = (runs, ticks, nodes)
+        burst = np.zeros(shape, dtype=bool)
+        if nc.burst_start > 0:
+            on = rng.random((runs, nodes)) < nc.burst_start / (nc.burst_start + nc.burst_stop)
+            for t in range(ticks):
+                if t:
+                    u = rng.random((runs, nodes))
+                    on = np.where(on, u >= nc.burst_stop, u < nc.burst_start)
+                burst[:, t] = on
+        sign = np.where(rng.random(shape) < 0.5, 1.0, -1.0).astype(np.float32)  # which arm the burst hits
+        x = np.empty((runs, ticks, nodes, ncell), dtype=np.float32)
+        node_mult = np.ones(nodes)
+        node_mult[0] = nc.offset_sigma_mult
+        for c in range(ncell):
+            for k in range(nodes):
+                s = float(self.cell_sigma[c] * node_mult[k])
+                d = self.clean[s][rng.integers(0, pool, (runs, ticks))]
+                if self.burst:
+                    b = self.burst[s][rng.integers(0, pool, (runs, ticks))] * sign[:, :, k]
+                    d = np.where(burst[:, :, k], b, d)
+                x[:, :, k, c] = d
+        e2e = self.e2e_clean[rng.integers(0, pool, shape)]
+        if self.e2e_burst is not None:
+            e2e = np.where(burst, self.e2e_burst[rng.integers(0, pool, shape)] * sign, e2e)
+        common = np.zeros(shape, dtype=np.float32)
+        if nc.ratio_sd > 0:
+            common += _ar1(rng, (runs, nodes), ticks, nc.ratio_phi, nc.ratio_sd)
+        if nc.drift_sd > 0:
+            slope = rng.standard_normal((runs, nodes)).astype(np.float32) * (nc.drift_sd / 60.0)
+            common += slope[:, None, :] * np.arange(ticks, dtype=np.float32)[None, :, None]
+        if nc.offset_ratio:
+            common[:, :, 0] += nc.offset_ratio
+        x += common[..., None] + cell_effect.astype(np.float32)
+        e2e = e2e + common + np.float32(np.dot(weights, cell_effect))
+        return FamilyReports(cells=x, e2e=e2e.astype(np.float32))

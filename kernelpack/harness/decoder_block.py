@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -223,6 +223,7 @@ class DecoderBlockResult:
     atol: float
     within_tolerance_a: bool
     within_tolerance_b: bool
+    graphed: bool = False  # timed as CUDA-graph replays
 
 
 @dataclass
@@ -315,6 +316,7 @@ def decoder_block_latency(
     seed: int = 0,
     rep_ms: float | None = None,
     min_reps: int = 3,
+    graphs: bool = False,
 ) -> DecoderBlockResult:
     """Latency of block A (e.g. stable bundle) vs block B (candidate), interleaved ABBA per round, plus
     each block's max abs error against the float64 block. Defaults are CPU-interpreter sized; on a GPU pass
@@ -330,12 +332,20 @@ def decoder_block_latency(
         rep_ms = 20.0 if dev.type == "cuda" else 0.0
     timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": min_reps}
     x, res = setup.x, setup.residual
+    run_a, run_b = (lambda: block_a(x, res)), (lambda: block_b(x, res))
+    graphed = False
+    if graphs and dev.type == "cuda":  # replay captured graphs: no host launch jitter in the comparison
+        try:
+            run_a, run_b = _graph(run_a, dev), _graph(run_b, dev)
+            graphed = True
+        except Exception:
+            run_a, run_b = (lambda: block_a(x, res)), (lambda: block_b(x, res))
     a_s, b_s, ratios = [], [], []
     for _ in range(rounds):
-        a1 = median_time(lambda: block_a(x, res), **timing)
-        b1 = median_time(lambda: block_b(x, res), **timing)
-        b2 = median_time(lambda: block_b(x, res), **timing)
-        a2 = median_time(lambda: block_a(x, res), **timing)
+        a1 = median_time(run_a, **timing)
+        b1 = median_time(run_b, **timing)
+        b2 = median_time(run_b, **timing)
+        a2 = median_time(run_a, **timing)
         a, b = (a1 + a2) / 2, (b1 + b2) / 2
         a_s.append(a)
         b_s.append(b)
@@ -345,5 +355,21 @@ def decoder_block_latency(
         dtype=dtype, device=str(dev), kernels_a=block_a.kernels, kernels_b=block_b.kernels, a_s=a_s, b_s=b_s,
         log_ratios=ratios, median_log_ratio=statistics.median(ratios), max_abs_err_a=num_a.max_abs_err,
         max_abs_err_b=num_b.max_abs_err, eager_max_abs_err=setup.eager_err, atol=setup.atol,
-        within_tolerance_a=num_a.within_tolerance, within_tolerance_b=num_b.within_tolerance,
+        within_tolerance_a=num_a.within_tolerance, within_tolerance_b=num_b.within_tolerance, graphed=graphed,
     )
+
+
+def _graph(fn: Callable[[], object], dev: torch.device) -> Callable[[], None]:
+    """Capture ``fn`` (warmed up on a side stream first) into a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize(dev)
+    return g.replay

@@ -48,10 +48,15 @@ def _add_layernorm_fwd(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_rows, n_cols,
     h = (x + r).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + offs, h, mask=mask)
     hf = h.to(tl.float32)
-    mean = tl.sum(hf, axis=1) / n_cols
-    d = tl.where(mask, hf - mean[:, None], 0.0)
+    # Statistics of the row scaled by its largest magnitude, so that rows near the dtype's limits neither
+    # overflow the sum nor the squares (y = d_s / sqrt(var_s + eps / scale^2), exactly the unscaled formula).
+    amax = tl.max(tl.where(mask, tl.abs(hf), 0.0), axis=1)
+    scale = tl.where(amax > 0.0, amax, 1.0)
+    hs = hf / scale[:, None]
+    mean = tl.sum(tl.where(mask, hs, 0.0), axis=1) / n_cols
+    d = tl.where(mask, hs - mean[:, None], 0.0)
     var = tl.sum(d * d, axis=1) / n_cols
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + eps / (scale * scale))
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = d * rstd[:, None] * w[None, :] + b[None, :]

@@ -218,7 +218,9 @@ DOMAIN = Domain(
     dims={"batch": DimRange(1, 4096), "heads": DimRange(1, 256), "seq": DimRange(1, 65536),
           "head_dim": DimRange(64, 128, 64)},
     notes="q, k, v (batch, heads, seq, head_dim) contiguous, one dtype (fp16/bf16), q_len == kv_len, "
-    "no GQA, head_dim 64 or 128, scale 1/sqrt(head_dim), causal (top-left aligned).",
+    "no GQA, head_dim 64 or 128, scale 1/sqrt(head_dim), causal (top-left aligned); |q|, |k|, |v| <= 1e18 "
+    "so that every score q.k fits in float32.",
+    max_abs=1e18,
 )
 
 OP = KernelOp(

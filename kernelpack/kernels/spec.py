@@ -57,6 +57,9 @@ class Domain:
     dims: Mapping[str, DimRange]
     contiguous: bool = True
     notes: str = ""
+    # largest input magnitude the op is specified for (None: the dtype's limits); the edge-value check caps
+    # its near-limit inputs here. Part of the numeric contract (recorded in the manifest's limitations).
+    max_abs: float | None = None
 
     def check(self, dtype: torch.dtype, shape: Shape, tensors: Mapping[str, torch.Tensor] = ()) -> None:
         names = {v: k for k, v in DTYPES.items()}
@@ -80,6 +83,7 @@ class Domain:
             "dims": {k: {"lo": r.lo, "hi": r.hi, "multiple_of": r.multiple_of} for k, r in self.dims.items()},
             "contiguous": self.contiguous,
             "notes": self.notes,
+            **({"max_abs": self.max_abs} if self.max_abs is not None else {}),
         }
 
 
@@ -125,6 +129,9 @@ class KernelOp:
     aot: Callable[[DTypeName, LaunchConfig], list[AotSpec]] | None = None
     default_config: LaunchConfig = field(default_factory=dict)
     launches_per_call: int = 1
+    # optional: the op's own edge-value inputs (mask boundaries, the end of a rotary table, ...) as
+    # (case name, inputs) pairs; the harness adds generic ones (zero/constant rows, dtype limits, subnormals)
+    edge_inputs: Callable[[Shape, torch.dtype, torch.device, torch.Generator], list[tuple[str, Inputs]]] | None = None
 
     def __call__(self, inputs: Inputs, config: LaunchConfig | None = None) -> Outputs:
         t0 = next(iter(inputs.values()))

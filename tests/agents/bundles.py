@@ -63,14 +63,15 @@ class BuiltBundles:
     digests: dict[str, str]
 
 
-def build_test_bundles(root: Path, versions: tuple[str, ...], aot_cache: Path | None = None) -> BuiltBundles:
+def build_test_bundles(root: Path, versions: tuple[str, ...], aot_cache: Path | None = None,
+                       ops: tuple[str, ...] = TEST_OPS) -> BuiltBundles:
     keys = generate_keypair(root / "keys")
     trusted = root / "trusted"
     trusted.mkdir(parents=True, exist_ok=True)
     shutil.copy(keys.public_path, trusted / keys.public_path.name)
     paths, digests = {}, {}
     for v in versions:
-        src = trimmed_source(v, root / "src" / v)
+        src = trimmed_source(v, root / "src" / v, ops)
         res = build_bundle(src, root / "kpack" / f"{v}.kpack", keys.private_path, cache_dir=aot_cache)
         paths[v], digests[v] = res.path, res.digest
     return BuiltBundles(keys, trusted, paths, digests)

@@ -41,7 +41,9 @@ KERNEL_SRC = b"OP = None  # test bundle: never imported by the engine\n"
 def make_kpack(key_path: Path, out: Path, *, name: str = "llm-fused", version: str = "1.0.0",
                archs: tuple[str, ...] = ("sm_90",), min_driver: str = "535", triton: str = "3.6.0",
                torch: str = ">=2.9,<2.15", cuda: tuple[str, ...] = ("12.x",),
-               batches: tuple[int, ...] = (1, 4, 16, 64), prefill: tuple[int, ...] = (64, 512, 2048)) -> bytes:
+               batches: tuple[int, ...] = (1, 4, 16, 64), prefill: tuple[int, ...] = (64, 512, 2048),
+               tolerances: dict[str, tuple[float, float]] | None = None,
+               limitations: dict[str, Any] | None = None) -> bytes:
     """A real signed bundle archive (bytes) with the given targets and traffic profile."""
     module = "kernels/bias_gelu.py"
     manifest = Manifest(
@@ -49,7 +51,9 @@ def make_kpack(key_path: Path, out: Path, *, name: str = "llm-fused", version: s
         targets=Targets(archs=list(archs), min_driver=min_driver, cuda=list(cuda), triton=triton, torch=torch),
         traffic=Traffic(decode_batch_sizes=list(batches), prefill_tokens=list(prefill)),
         kernels=[BuiltKernel(op="bias_gelu", source="kernelpack.kernels.bias_gelu", module=module,
-                             limitations={}, tolerances={"fp16": ToleranceEntry(atol=1e-3, rtol=1e-3)})],
+                             limitations=limitations or {}, tolerances={
+                                 d: ToleranceEntry(atol=a, rtol=r)
+                                 for d, (a, r) in (tolerances or {"fp16": (1e-3, 1e-3)}).items()})],
         files={module: FileEntry(sha256=hashlib.sha256(KERNEL_SRC).hexdigest(), size=len(KERNEL_SRC))},
         artifacts=[], golden=[],
     )
@@ -127,6 +131,8 @@ class Kit:
         if ratio is not None:
             lat = [wire.LatencyPair(op="bias_gelu", tokens=16, stable_s=1e-3, candidate_s=1e-3 * math.exp(ratio))
                    for _ in range(pairs)]
+        kw.setdefault("numerics", [wire.NumericCheck(op="bias_gelu", dtype="fp32", shape={"tokens": 16}, max_abs_err=0.0,
+                                                     max_rel_err=0.0, within_tolerance=True, kind="production")])
         return wire.TrialReport(
             idempotency_key=key or f"{node.name}:{rollout_id}:{next(self._keys):06d}", rollout_id=rollout_id,
             stratum=node_stratum(node), candidate=candidate, stable=stable, outcome=outcome, measured_at=at,

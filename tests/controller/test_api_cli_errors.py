@@ -36,7 +36,9 @@ def ctl(bundles: TestBundles, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_exit_codes_and_one_line_errors(ctl: ControllerProcess, bundles: TestBundles, tmp_path: Path) -> None:
     cases = [
         (kctl(ctl, "rollout", "status", "999999"), 4, "404 no rollout with id 999999"),
-        (kctl(ctl, "promote", "1", "--reason", "x", who="viewer"), 5, "403 role 'viewer' may not do this"),
+        (kctl(ctl, "promote", "1", "--from-step", "0", "--reason", "x", who="viewer"), 5,
+         "403 role 'viewer' may not do this"),
+        (kctl(ctl, "promote", "1", "--reason", "x"), 2, "--from-step is required"),
         (kctl(ctl, "rollout", "list", token="kctl_bogus-token-000000000000"), 5, "401 unknown token"),
         (kctl(ctl, "rollout", "start", "nope"), 2, "bad bundle reference 'nope'"),
         (kctl(ctl, "rollout", "start", "llm-fused@7.7.7"), 4, "404"),
@@ -52,7 +54,7 @@ def test_exit_codes_and_one_line_errors(ctl: ControllerProcess, bundles: TestBun
     register_node(ctl, "gpu-err-1").close()
     rid = json.loads(ok(kctl(ctl, "rollout", "start", "llm-fused@1.0.0", "--json")))["id"]
     ok(kctl(ctl, "rollback", str(rid), "--reason", "test"))
-    cases.append((kctl(ctl, "promote", str(rid), "--reason", "x"), 3, "409"))  # terminal: refused
+    cases.append((kctl(ctl, "promote", str(rid), "--from-step", "0", "--reason", "x"), 3, "409"))  # terminal: refused
     cases.append((kctl(ctl, "rollback", str(rid), "--reason", "  "), 2, "--reason must not be empty"))
     for proc, code, text in cases:
         assert proc.returncode == code, (proc.args, proc.stdout, proc.stderr)

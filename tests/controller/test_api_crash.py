@@ -96,8 +96,10 @@ class Fleet:
                 return
             assert r.status_code == 200, r.text
             self.accepted_total += r.json()["accepted"]
+            refused = r.json().get("refused", {})  # late reports (stratum moved on, rollout over) do not count
             for rep in reports:
-                self.acked[rep["idempotency_key"]] = rep
+                if rep["idempotency_key"] not in refused:
+                    self.acked[rep["idempotency_key"]] = rep
 
     def run(self) -> None:
         while not self.stop.is_set():

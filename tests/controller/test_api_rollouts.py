@@ -79,7 +79,7 @@ def test_judge_rolls_back_on_first_crash_report(ctl: ControllerProcess, bundles:
         assert [e["actor"] for e in events if e["action"] == "rollout.rolled_back"] == [SYSTEM_ACTOR]
         # a terminal rollout refuses operator transitions with 409 and nothing changes
         before = op.get("/v1/audit", params={"limit": 1000}).json()
-        for action, body in (("promote", {"reason": "x"}), ("pause", {}), ("resume", {})):
+        for action, body in (("promote", {"reason": "x", "from_step": 0}), ("pause", {}), ("resume", {})):
             resp = op.post(f"/v1/rollouts/{rid}/{action}", json=body)
             assert resp.status_code == 409, (action, resp.text)
             assert resp.json()["detail"]

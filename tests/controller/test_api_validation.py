@@ -34,7 +34,8 @@ def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
     tmp = tmp_path_factory.mktemp(f"validation-{request.param}")
     with dbutil.fresh_database(request.param, tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, max_bundle_bytes=MAX_BUNDLE) as proc:
+            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, max_bundle_bytes=MAX_BUNDLE,
+                             extra_env={"KERNELCTL_API_DOCS": "true"}) as proc:
         yield proc
 
 
@@ -179,3 +180,31 @@ def test_health_ready_metrics_openapi(ctl: ControllerProcess) -> None:
     for path in ("/v1/agents/register", "/v1/agents/heartbeat", "/v1/agents/reports", "/v1/bundles",
                  "/v1/bundles/{name}/{version}/content", "/v1/rollouts/{rollout_id}/rollback", "/v1/audit"):
         assert path in spec["paths"], path
+
+
+def test_malformed_per_cell_data_refused_with_field(ctl: ControllerProcess, trial: dict) -> None:
+    node = trial["node"]
+    good = ok_report("val-cell-000001", trial)
+    good["resources"] = [{"op": "bias_gelu", "tokens": 16, "stable_peak_bytes": 100, "candidate_peak_bytes": 100,
+                          "stable_launches": 1, "candidate_launches": 1}]
+    good["weights"] = [{"op": "bias_gelu", "tokens": 16, "weight": 2.0}]
+    good["e2e_pairs"] = [{"stable_s": 1e-3, "candidate_s": 1e-3}]
+    dup = json.loads(json.dumps(good))
+    dup["resources"] = dup["resources"] * 2
+    r = _post_batch(node, [dup])
+    assert _fields(r) == ["body.reports.0.resources"] and "bias_gelu@16 appears twice" in r.json()["detail"][0]["msg"]
+    neg = json.loads(json.dumps(good))
+    neg["resources"][0]["candidate_launches"] = -1
+    assert _fields(_post_batch(node, [neg])) == ["body.reports.0.resources.0.candidate_launches"]
+    nan = json.loads(json.dumps(good))
+    nan["weights"][0]["weight"] = "__NAN__"
+    raw = json.dumps({"node_name": "gpu-val-1", "reports": [nan]}).replace('"__NAN__"', "NaN")
+    assert _fields(_post_batch(node, [], raw=raw)) == ["body.reports.0.weights.0.weight"]
+    zero = json.loads(json.dumps(good))
+    zero["e2e_pairs"][0]["stable_s"] = 0
+    assert _fields(_post_batch(node, [zero])) == ["body.reports.0.e2e_pairs.0.stable_s"]
+    extra = json.loads(json.dumps(good))
+    extra["resources"][0]["bogus"] = 1
+    assert _fields(_post_batch(node, [extra])) == ["body.reports.0.resources.0.bogus"]
+    # nothing was stored by the refused batches: the good report is still new
+    assert _post_batch(node, [good]).json() == {"accepted": 1, "duplicates": 0}

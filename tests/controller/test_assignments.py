@@ -92,7 +92,9 @@ def test_desired_state_trial_from_manifest_and_cpu_cap(kit: Kit) -> None:
     with kit.tx() as s:
         (g,) = desired_state(s, kit.node(s, "gpu-000"), now=T0)
         (c,) = desired_state(s, kit.node(s, "cpu-000"), now=T0)
-    assert (g.role, g.active.version, g.stable.version) == ("candidate", "1.1.0", "1.0.0")
+    # trial before serve: the candidate is staged and trialled, the stable version stays active
+    assert (g.role, g.active.version, g.stable.version, g.phase) == ("candidate", "1.0.0", "1.0.0", "staged")
+    assert g.trial.candidate.version == "1.1.0"
     assert (g.trial.rollout_id, g.trial.batch_sizes, g.trial.prefill_tokens, g.trial.rounds) == (
         rid, [1, 4, 16, 64], [64, 512, 2048], 7)
     assert (c.trial.batch_sizes, c.trial.prefill_tokens) == ([1, 4], [64])

@@ -35,7 +35,8 @@ def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
     trusted.mkdir()
     (trusted / key.public_path.name).write_bytes(key.public_path.read_bytes())
     with dbutil.fresh_database("postgres", tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=trusted, max_bundle_bytes=1 << 20) as ctl:
+            ControllerProcess(url, tmp, trusted_keys_dir=trusted, max_bundle_bytes=1 << 20,
+                             extra_env={"KERNELCTL_API_DOCS": "true"}) as ctl:
         with ctl.client("enroll") as c:
             r = c.post("/v1/agents/register", json={"node_name": "fuzz-node", "inventory": inventory()})
             assert r.status_code == 200, r.text

@@ -63,7 +63,7 @@ def test_log_ratio_median_and_detail(kit: Kit, setup) -> None:
     rid, cand = setup
     with kit.tx() as s:
         n = kit.node(s, "h-000")
-    pairs = [wire.LatencyPair(op="bias_gelu", tokens=4, stable_s=1.0, candidate_s=c) for c in (1.3, 1.1, 1.0)]
+    pairs = [wire.LatencyPair(op="bias_gelu", tokens=4, stable_s=1.0, candidate_s=c) for c in (1.3, 1.1, 1.1)]
     check = wire.NumericCheck(op="bias_gelu", dtype="fp16", shape={"m": 4}, max_abs_err=1e-4, max_rel_err=1e-3,
                               within_tolerance=True, vs_stable_max_abs=0.0, vs_stable_within=True)
     rep = kit.report(n, rid, cand, None, ratio=None, key="detail-1").model_copy(update={
@@ -138,3 +138,29 @@ def test_concurrent_replays_count_once(kit: Kit, setup) -> None:
         t.join(60)
     assert sum(a for a, _ in got) == 200 and all(a + d == 200 for a, d in got)
     assert _count(kit) == 200
+
+
+def test_signals_per_cell_weighted_aggregate_e2e_memory_launches(kit: Kit, setup) -> None:
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-000")
+    pairs = [wire.LatencyPair(op="swiglu", tokens=1, stable_s=1.0, candidate_s=c) for c in (3.0, 2.0, 2.0)]
+    pairs += [wire.LatencyPair(op="swiglu", tokens=64, stable_s=1.0, candidate_s=1.0) for _ in range(3)]
+    res = [wire.CellResources(op="swiglu", tokens=1, stable_peak_bytes=100, candidate_peak_bytes=400,
+                              stable_launches=1, candidate_launches=2)]
+    weights = [wire.CellWeight(op="swiglu", tokens=1, weight=3.0), wire.CellWeight(op="swiglu", tokens=64, weight=1.0)]
+    e2e = [wire.E2EPair(stable_s=1.0, candidate_s=x) for x in (1.02, 1.02, 1.5)]
+    rep = kit.report(n, rid, cand, None, ratio=None, key="signals-1").model_copy(update={
+        "latency": pairs, "resources": res, "weights": weights, "e2e_pairs": e2e, "free_memory_bytes": 10**9})
+    failed = kit.report(n, rid, cand, None, outcome="crash", ratio=None, key="signals-2")
+    assert _ingest(kit, "h-000", [rep, failed]) == (2, 0)
+    with kit.tx() as s:
+        rows = {r.idempotency_key: r for r in s.scalars(select(Report))}
+    sig = rows["signals-1"].signals
+    assert sig["cells"] == {"swiglu@1": pytest.approx(math.log(2)), "swiglu@64": 0.0}
+    assert sig["aggregate"] == pytest.approx(3 * math.log(2) / 4)  # traffic-weighted, 3:1
+    assert rows["signals-1"].latency_log_ratio == pytest.approx(sig["aggregate"])
+    assert sig["e2e"] == pytest.approx(math.log(1.02))  # the robust cell statistic: the slow outlier round is ignored
+    assert sig["memory"] == {"swiglu@1": [100, 400]} and sig["launches"] == {"swiglu@1": [1, 2]}
+    assert sig["free_memory_bytes"] == 10**9 and sig["numeric"]["checks"] == 1
+    assert rows["signals-2"].signals is None  # a failed trial contributes no samples

@@ -1,63 +1,74 @@
-"""PrPl-EB confidence sequence: time-uniform coverage, no look-ahead, input checks."""
+"""Betting margin tests: time-uniform level under the null, power, no look-ahead, monotone inversion."""
+
+import math
 
 import numpy as np
 import pytest
 
-from controller.judge.confseq import clip_log_ratios, eb_confseq
+from controller.judge.confseq import confidence_bound, margin_test
+
+MARGIN = math.log(1.02)
 
 
-def _bounded(rng: np.random.Generator, shape: tuple[int, int]) -> tuple[np.ndarray, float]:
-    # scaled Beta(2, 5) on [-0.1, 0.2]: skewed, bounded, mean -0.1 + 0.3 * 2/7
-    return -0.1 + 0.3 * rng.beta(2.0, 5.0, shape), -0.1 + 0.3 * 2.0 / 7.0
+def _ar1(rng: np.random.Generator, runs: int, n: int, phi: float, sd: float) -> np.ndarray:
+    out = np.empty((runs, n))
+    cur = rng.standard_normal(runs) * sd
+    for t in range(n):
+        cur = phi * cur + sd * math.sqrt(1 - phi * phi) * rng.standard_normal(runs) if t else cur
+        out[:, t] = cur
+    return out
 
 
-def test_time_uniform_coverage_iid() -> None:
+@pytest.mark.parametrize("side", ["regress", "pass"])
+def test_null_at_the_margin_rejected_at_most_alpha_at_any_time(side: str) -> None:
+    # worst case of the composite null: the mean exactly at the margin, skewed bounded noise
     rng = np.random.default_rng(11)
-    runs, n, alpha = 300, 400, 0.1
-    x, mu = _bounded(rng, (runs, n))
-    lower, upper, _ = eb_confseq(x, alpha=alpha, bound=0.25)
-    ever_missed = ((lower > mu) | (upper < mu)).any(axis=1).mean()
-    # time-uniform: missing mu at *any* of the 400 looks happens in at most alpha of runs (+ MC slack)
-    assert ever_missed <= alpha + 3 * np.sqrt(alpha * (1 - alpha) / runs)
-    # not vacuous: the interval shrinks and excludes a mean 0.04 away in almost every run
-    assert np.median(upper[:, -1] - lower[:, -1]) < 0.05
-    wrong = mu + 0.04
-    assert ((lower > wrong) | (upper < wrong))[:, -1].mean() > 0.95
+    runs, n, alpha = 2000, 300, 0.1
+    sign = 1.0 if side == "regress" else -1.0
+    x = MARGIN + sign * (rng.exponential(0.01, (runs, n)) - 0.01)
+    w = margin_test(x, side=side, margin=MARGIN)
+    ever = (w[:, -1] >= math.log(1 / alpha)).mean()  # running max: rejected at *any* of the 300 looks
+    assert ever <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / runs)
+    # not vacuous: 1% beyond the margin on the alternative side is rejected in almost every run
+    w_alt = margin_test(x + sign * 0.01, side=side, margin=MARGIN)
+    assert (w_alt[:, -1] >= math.log(1 / alpha)).mean() > 0.95
 
 
-def test_running_intersection_is_monotone_and_contains_center() -> None:
-    rng = np.random.default_rng(3)
-    x = np.clip(rng.standard_t(3, 500) * 0.02, -0.25, 0.25)
-    lower, upper, center = eb_confseq(x, bound=0.25)
-    assert np.all(np.diff(lower) >= 0) and np.all(np.diff(upper) <= 0)
-    assert lower[-1] <= center[-1] <= upper[-1]
-
-
-def test_predictable_no_look_ahead() -> None:
+def test_dependence_factor_shrinks_bets_under_within_node_autocorrelation() -> None:
+    # one node, strongly autocorrelated ratio with mean 1% below the margin: stakes sized as if samples were
+    # independent compound excursions; the per-node dependence factor keeps the level
     rng = np.random.default_rng(5)
-    x = np.clip(rng.normal(0.01, 0.03, 120), -0.25, 0.25)
-    full = eb_confseq(x, bound=0.25)
-    for k in (1, 7, 60):
-        part = eb_confseq(x[:k], bound=0.25)
-        for a, b in zip(full, part, strict=True):
-            np.testing.assert_allclose(a[:k], b)
+    runs, n, alpha = 1500, 120, 0.05
+    x = MARGIN - 0.01 + _ar1(rng, runs, n, 0.9, 0.01) + rng.normal(0, 0.003, (runs, n))
+    prev = np.arange(n) - 1
+    naive = (margin_test(x, side="regress", margin=MARGIN)[:, -1] >= math.log(1 / alpha)).mean()
+    robust = (margin_test(x, side="regress", margin=MARGIN, prev=prev)[:, -1] >= math.log(1 / alpha)).mean()
+    assert robust <= alpha and robust < naive
 
 
-def test_vectorised_matches_rows() -> None:
-    rng = np.random.default_rng(8)
-    x = np.clip(rng.normal(0.0, 0.05, (4, 50)), -0.25, 0.25)
-    lo, up, _ = eb_confseq(x, bound=0.25)
-    lo1, up1, _ = eb_confseq(x[2], bound=0.25)
-    np.testing.assert_allclose(lo[2], lo1)
-    np.testing.assert_allclose(up[2], up1)
+def test_predictable_no_look_ahead_and_vectorised_rows() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(0.04, 0.02, (3, 80))
+    full = margin_test(x, side="regress", margin=MARGIN, prev=np.arange(80) - 1)
+    for k in (1, 9, 40):
+        part = margin_test(x[:, :k], side="regress", margin=MARGIN, prev=np.arange(k) - 1)
+        np.testing.assert_allclose(full[:, :k], part)
+    np.testing.assert_allclose(full[1], margin_test(x[1], side="regress", margin=MARGIN, prev=np.arange(80) - 1))
 
 
-def test_clip_counts_and_rejects_unclipped() -> None:
-    clipped, n = clip_log_ratios(np.array([0.0, 0.3, -0.9, 0.1]), 0.25)
-    assert int(n) == 2 and clipped.max() == 0.25 and clipped.min() == -0.25
-    with pytest.raises(ValueError, match="clip them first"):
-        eb_confseq(np.array([0.0, 0.6]), bound=0.25)
-    with pytest.raises(ValueError, match="alpha"):
-        eb_confseq(np.array([0.0]), alpha=1.5)
-    with pytest.raises(ValueError, match="clip bound"):
-        clip_log_ratios(np.array([0.0]), -1.0)
+def test_bounds_are_consistent_with_the_margin_tests() -> None:
+    rng = np.random.default_rng(2)
+    alpha = 0.05
+    for mean in (0.0, 0.015, 0.03, 0.06):
+        x = rng.normal(mean, 0.01, 40)
+        lower = confidence_bound(x, side="regress", alpha=alpha, margin=MARGIN)
+        upper = confidence_bound(x, side="pass", alpha=alpha, margin=MARGIN)
+        up = margin_test(x, side="regress", margin=MARGIN)[-1] >= math.log(1 / alpha)
+        down = margin_test(x, side="pass", margin=MARGIN)[-1] >= math.log(1 / alpha)
+        assert (lower >= MARGIN - 1e-6) == up and (upper <= MARGIN + 1e-6) == down
+        assert lower < mean + 0.01 and upper > mean - 0.01  # the bounds bracket the truth here
+
+
+def test_bad_side_refused() -> None:
+    with pytest.raises(ValueError, match="side must be"):
+        margin_test(np.zeros(3), side="up", margin=MARGIN)

@@ -82,6 +82,7 @@ def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
         time.sleep(0.2)
 
 
+@pytest.mark.restarts_postgres
 def test_controller_recovers_from_postgres_restart_mid_rollout(tmp_path: Path) -> None:
     version, cluster = _cluster()
     bundles = build_test_bundles(tmp_path / "bundles", versions=("1.0.0",))

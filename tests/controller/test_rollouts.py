@@ -48,8 +48,15 @@ def _stable_fleet(kit: Kit, n: int = 4, archs=("sm_90",)) -> tuple[int, int]:
 
 
 def _desired(kit: Kit, s, name: str) -> tuple[str, str]:
+    """(version the node is asked to run, role): a canary's candidate (staged for its pre-serve trial, served
+    once verified), else the active version."""
     d = desired_state(s, kit.node(s, name), now=T0)
-    return (d[0].active.version, d[0].role) if d else (None, None)
+    if not d:
+        return (None, None)
+    if d[0].role == "candidate":
+        assert d[0].phase is not None and d[0].trial is not None
+        return (d[0].trial.candidate.version, "candidate")
+    return (d[0].active.version, d[0].role)
 
 
 def test_start_is_pending_with_baseline_and_event(kit: Kit) -> None:

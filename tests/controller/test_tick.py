@@ -157,12 +157,15 @@ def test_latency_pass_waits_for_bake_then_advances_then_promotes(kit: Kit) -> No
     assert res.advanced == [(rid, S90, 1)]
     assert verdicts(kit, rid)[-1].decision == "advance"
     assert len(canaries(kit, rid)) == 3
-    # evidence of step 0 does not count for step 1
-    res = tick(kit, 200)
+    # evidence is carried across steps: step 1 holds only for its own bake time, then the step-0 reports plus
+    # the new canaries' reports advance it
+    res = tick(kit, 100)
     assert res.decisions == [("latency", "hold")]
+    assert "baking" in verdicts(kit, rid)[-1].evidence["reason"]
+    assert verdicts(kit, rid)[-1].evidence["latency"]["n"] == 40  # not forgotten at the step change
     for n in canaries(kit, rid):
-        send(kit, n, rid, cand, kit.ref(1), 15, ratio=-0.05, now=201)
-    res = tick(kit, 202)
+        send(kit, n, rid, cand, kit.ref(1), 15, ratio=-0.05, now=101)
+    res = tick(kit, 200)
     assert res.promoted == [(rid, S90)]
     with kit.tx() as s:
         assert get_rollout(s, rid).state == "promoted"

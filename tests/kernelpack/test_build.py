@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import tarfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +122,47 @@ def test_other_build_refusals(keys: Keys, tmp_path: Path, aot_cache: Path) -> No
     with pytest.raises(KeyFileError):
         build_bundle(_edit_tiny(tmp_path / "f", lambda s: s), out, tmp_path / "no.key", cache_dir=aot_cache)
     assert not out.exists()
+
+
+def test_source_only_and_arch_subset_builds(keys: Keys, tmp_path: Path, aot_cache: Path) -> None:
+    """``aot_archs=[]`` builds a signed source-only bundle without compiling anything; an arch outside the
+    bundle's targets is refused before anything is written."""
+    src = write_tiny_src(tmp_path / "src")
+    cold = tmp_path / "cold-cache"
+    res = build_bundle(src, tmp_path / "src-only.kpack", keys.pair.private_path, cache_dir=cold, aot_archs=[])
+    assert res.manifest.artifacts == []
+    assert not any(cold.glob("??/*"))  # nothing was compiled
+    vb = verify_path(res.path, keys.trusted)
+    assert "kernels/bias_gelu.py" in vb.members and res.manifest.golden
+    assert not any(name.startswith("artifacts/") for name in vb.members)
+    subset = build_bundle(src, tmp_path / "sm90.kpack", keys.pair.private_path, cache_dir=aot_cache,
+                          aot_archs=["sm_90"])
+    assert {a.arch for a in subset.manifest.artifacts} == {"sm_90"}
+    with pytest.raises(BuildError, match=r"cannot compile ahead of time for sm_80: not one of"):
+        build_bundle(src, tmp_path / "bad.kpack", keys.pair.private_path, cache_dir=aot_cache,
+                     aot_archs=["sm_80"])
+    assert not (tmp_path / "bad.kpack").exists()
+
+
+def test_concurrent_builds_compile_once(keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two builds of the same sources on one cold cache at once (pytest-xdist workers, two CI jobs): the
+    second waits for the first's compile lock, finds the kernels cached and compiles nothing."""
+    src = write_tiny_src(tmp_path / "src")
+    cache = tmp_path / "cold-cache"
+    results: dict[int, str] = {}
+
+    def build(i: int) -> None:
+        results[i] = build_bundle(src, tmp_path / f"{i}.kpack", keys.pair.private_path, cache_dir=cache).digest
+
+    with caplog.at_level(logging.INFO, logger="kernelpack.build"):
+        threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert len(results) == 2 and results[0] == results[1]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling")] == [
+        "compiling 3 (op, arch, dtype) groups ahead of time"]
 
 
 @pytest.mark.slow

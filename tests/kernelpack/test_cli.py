@@ -96,3 +96,20 @@ def test_other_errors_exit_1_and_usage_exit_2(cli: CliRunner, keys: Keys, tmp_pa
     assert r.exit_code == 2
     r = cli.invoke(app, ["keys", "generate", str(keys.pair.private_path.parent)])
     assert r.exit_code in (0, 1)
+
+
+def test_build_no_aot_and_aot_arch(cli: CliRunner, keys: Keys, tmp_path: Path, aot_cache: Path) -> None:
+    src = write_tiny_src(tmp_path / "src")
+    key = str(keys.pair.private_path)
+    r = cli.invoke(app, ["bundle", "build", str(src), "-o", str(tmp_path / "s.kpack"), "--key", key, "--no-aot",
+                         "--cache-dir", str(tmp_path / "empty-cache")])
+    assert r.exit_code == 0 and "0 artifacts" in r.output, r.output
+    r = cli.invoke(app, ["bundle", "verify", str(tmp_path / "s.kpack"), "--trusted-keys", str(keys.trusted)])
+    assert r.exit_code == 0, r.output
+    r = cli.invoke(app, ["bundle", "build", str(src), "-o", str(tmp_path / "a.kpack"), "--key", key,
+                         "--aot-arch", "sm_90", "--cache-dir", str(aot_cache)])
+    assert r.exit_code == 0 and "3 artifacts" in r.output, r.output
+    r = cli.invoke(app, ["bundle", "build", str(src), "-o", str(tmp_path / "b.kpack"), "--key", key,
+                         "--aot-arch", "sm_75"])
+    assert r.exit_code == 1 and "cannot compile ahead of time for sm_75" in one_line_error(r)
+    assert not (tmp_path / "b.kpack").exists()

@@ -241,3 +241,20 @@ def test_extracted_directory(tiny_bundle: BuildResult, keys: Keys, tmp_path: Pat
     (root / "kernels" / "__pycache__" / "bias_gelu.cpython-311.pyc").write_bytes(b"\x00evil")
     with pytest.raises(ExtraMemberError, match="__pycache__"):
         verify_path(root, keys.trusted)
+
+
+def test_decompression_stops_at_the_stream_cap() -> None:
+    """A header tarfile reads whole (a pax extended header) cannot make the reader inflate past the cap."""
+    import gzip
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("manifest.json")
+        info.pax_headers = {"comment": "x" * (8 * 1024 * 1024)}  # 8 MiB of header, a few KB compressed
+        tar.addfile(info, io.BytesIO(b""))
+    blob = gzip.compress(raw.getvalue(), compresslevel=9)
+    assert len(blob) < 64 * 1024
+    limits = Limits(max_total_bytes=1024 * 1024, max_members=10)  # stream cap: 2 MiB and a little
+    with pytest.raises(SizeLimitError, match="decompresses to more than"):
+        read_archive(blob, limits)
+    assert read_archive(blob)  # the default limits let that header through (it is under their cap)

@@ -1,0 +1,1 @@
+"""Integrations that bring the node's active kernels to serving stacks (captured graphs, transformers)."""

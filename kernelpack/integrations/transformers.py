@@ -1,0 +1,326 @@
+"""Hugging Face transformers on the node's active kernels: ``apply_kernels(model)`` patches a model in place.
+
+Llama family (``config.model_type == "llama"``). Per decoder layer, on the module instances (the classes and
+other models in the process are untouched):
+
+* ``rmsnorm``: the post-attention residual add and RMSNorm become one ``kernelctl.add_rmsnorm`` call
+  (``y, h = add_rmsnorm(attn_out, residual, weight)``; the MLP's residual is ``h``). The input norm and the
+  final norm have no add before them and stay transformers' RMSNorm.
+* ``mlp``: ``silu(gate_proj(x)) * up_proj(x)`` becomes ``kernelctl.swiglu`` between the projections.
+* ``rope``: the attention forward applies ``kernelctl.rope`` to q and k in the projections' (tokens, heads,
+  head_dim) layout, before the transpose, with cos/sin cut to their first half (Llama's rotary tables repeat
+  it); the KV cache and the attention interface then see what transformers' code would give them.
+* ``attention``: the model's attention implementation becomes ``"kernelctl"``, registered in transformers'
+  ``AttentionInterface`` (masks as for SDPA): causal self-attention without a cache prefix (q_len == kv_len,
+  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA through
+  ``repeat_kv``); everything else runs transformers' SDPA path.
+
+A call outside an op's domain (dtype, sizes, eps, activation) runs transformers' own code for that call; each
+reason is logged once (logger ``kernelpack.integrations.transformers``) and counted in :data:`FALLBACKS`.
+The ops dispatch to the node's active version (``kernelpack.torch_ops``); ``generate`` is wrapped so that a
+version switch drops the model's compiled call (``torch.compile`` / CUDA graphs) before the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelpack import torch_ops
+from kernelpack.kernels import add_rmsnorm as _add_rmsnorm_mod
+from kernelpack.kernels import flash_attn as _flash_mod
+from kernelpack.kernels import rope as _rope_mod
+from kernelpack.kernels import swiglu as _swiglu_mod
+
+log = logging.getLogger("kernelpack.integrations.transformers")
+
+ATTN_IMPL = "kernelctl"
+KINDS = ("rmsnorm", "mlp", "rope", "attention")
+SUPPORTED_MODEL_TYPES = ("llama",)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+TokenWindow = tuple[int, int | None]  # (fewest, most) tokens per call that run the kernel; None: no ceiling
+# Where the kernels were measured at least as fast as transformers' code compiled the same way (H100,
+# Llama-3-8B layer shapes, bf16, torch.compile + CUDA graphs; docs/gpu.md "Serving"): decode-sized calls.
+# Attention is left to SDPA (the prefill kernel was slower than SDPA at 2k tokens and level at 8k).
+MEASURED_KINDS = ("rmsnorm", "mlp", "rope")
+MEASURED_POLICY: dict[str, TokenWindow] = {"rmsnorm": (8, 512), "mlp": (8, 512), "rope": (8, 512)}
+
+FALLBACKS: Counter[tuple[str, str]] = Counter()  # (kind, reason) -> calls that ran transformers' code
+_logged: set[tuple[str, str]] = set()
+
+
+class UnsupportedModelError(ValueError):
+    """``apply_kernels`` was given a model whose family it does not patch."""
+
+
+def _fallback(kind: str, reason: str) -> None:
+    if torch.compiler.is_compiling():  # decided at trace time; counted on eager calls only
+        return
+    FALLBACKS[(kind, reason)] += 1
+    if (kind, reason) not in _logged:
+        _logged.add((kind, reason))
+        log.warning("kernelctl %s: running transformers' code: %s", kind, reason)
+
+
+def _policy_reason(module: nn.Module, kind: str, tokens: int) -> str | None:
+    window = module.__dict__.get("_kernelctl_policy", {}).get(kind)
+    if window is None:
+        return None
+    lo, hi = window
+    if tokens < lo or (hi is not None and tokens > hi):
+        return f"policy: calls outside [{lo}, {hi if hi is not None else 'inf'}] tokens run transformers' code"
+    return None
+
+
+def _dtype_reason(op_domain: Any, dtype: torch.dtype) -> str | None:
+    name = _DTYPE_NAMES.get(dtype)
+    return None if name in op_domain.dtypes else f"dtype {dtype} not in the kernel's {op_domain.dtypes}"
+
+
+# ---------------------------------------------------------------------------------------------- add + RMSNorm
+def _rmsnorm_reason(x: torch.Tensor, norm: nn.Module) -> str | None:
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or abs(eps - _add_rmsnorm_mod.EPS) > 1e-12:
+        return f"RMSNorm eps {eps} differs from the kernel's fixed {_add_rmsnorm_mod.EPS}"
+    if norm.weight.dtype != x.dtype:
+        return f"RMSNorm weight dtype {norm.weight.dtype} differs from the activations' {x.dtype}"
+    hidden = x.shape[-1]
+    if not _add_rmsnorm_mod.DOMAIN.dims["hidden"].contains(hidden):
+        return f"hidden size {hidden} outside the kernel's domain"
+    return _dtype_reason(_add_rmsnorm_mod.DOMAIN, x.dtype)
+
+
+def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                 layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) through the fused op, or transformers' code outside its domain."""
+    why = _rmsnorm_reason(x, norm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+    if why is not None:
+        _fallback("rmsnorm", why)
+        h = residual + x
+        return norm(h), h
+    shape = x.shape
+    y, h = torch.ops.kernelctl.add_rmsnorm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight)
+    return y.view(shape), h.view(shape)
+
+
+def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
+                           position_ids: Any = None, past_key_values: Any = None, use_cache: bool | None = False,
+                           position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    attn_out, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+    normed, hidden_states = _add_rmsnorm(attn_out, residual, self.post_attention_layernorm, self)
+    return hidden_states + self.mlp(normed)
+
+
+# ---------------------------------------------------------------------------------------------------- SwiGLU
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    inter = gate.shape[-1]
+    why = _dtype_reason(_swiglu_mod.DOMAIN, gate.dtype)
+    if why is None and not _swiglu_mod.DOMAIN.dims["hidden"].contains(inter):
+        why = f"intermediate size {inter} outside the kernel's domain"
+    why = why or _policy_reason(self, "mlp", gate.numel() // inter)
+    if why is not None:
+        _fallback("mlp", why)
+        return self.down_proj(self.act_fn(gate) * up)
+    y = torch.ops.kernelctl.swiglu(gate.reshape(-1, inter), up.reshape(-1, inter))
+    return self.down_proj(y.view(gate.shape))
+
+
+# ----------------------------------------------------------------------------------------- rope + attention
+def _rope_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, head_dim: int) -> str | None:
+    if cos.shape[-1] != head_dim:
+        return f"rotary table width {cos.shape[-1]} != head_dim {head_dim} (partial rotary)"
+    if cos.dtype != q.dtype:
+        return f"rotary table dtype {cos.dtype} differs from q's {q.dtype}"
+    dims = _rope_mod.DOMAIN.dims
+    if not (dims["head_dim"].contains(head_dim) and dims["q_heads"].contains(q.shape[-2])
+            and dims["kv_heads"].contains(k.shape[-2])):
+        return f"heads {q.shape[-2]}/{k.shape[-2]} x head_dim {head_dim} outside the kernel's domain"
+    return _dtype_reason(_rope_mod.DOMAIN, q.dtype)
+
+
+def _half_table(t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return t[..., :half].expand(batch, seq, half).reshape(batch * seq, half).contiguous()
+
+
+def _make_attention_forward(ml: types.ModuleType):
+    """The Llama attention forward of transformers' modeling module ``ml`` with rope on kernelctl.rope."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)  # (batch, seq, heads, head_dim): the op's layout
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        why = _rope_reason(q, k, cos, self.head_dim) or _policy_reason(
+            self, "rope", input_shape[0] * input_shape[1])
+        if why is None:
+            b, s = input_shape
+            qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], self.head_dim),
+                                              k.reshape(b * s, k.shape[-2], self.head_dim),
+                                              _half_table(cos, b, s), _half_table(sin, b, s))
+            q = qo.view(b, s, -1, self.head_dim).transpose(1, 2)
+            k = ko.view(b, s, -1, self.head_dim).transpose(1, 2)
+        else:
+            _fallback("rope", why)
+            q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention_interface = ml.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, ml.eager_attention_forward)
+        attn_output, attn_weights = attention_interface(
+            self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    return forward
+
+
+def _flash_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                  dropout: float, scaling: float | None) -> str | None:
+    if query.shape[2] != key.shape[2]:
+        return "q_len != kv_len (decode or a cached prefix): the kernel is causal self-attention only"
+    if attention_mask is not None:
+        return "an explicit attention mask (padding or a static cache): the kernel masks causally only"
+    if not getattr(module, "is_causal", True):
+        return "non-causal attention"
+    if dropout:
+        return "attention dropout"
+    d = query.shape[-1]
+    if d not in _flash_mod.HEAD_DIMS:
+        return f"head_dim {d} not in the kernel's {_flash_mod.HEAD_DIMS}"
+    if scaling is not None and abs(scaling - d**-0.5) > 1e-9:
+        return f"softmax scale {scaling} != 1/sqrt(head_dim)"
+    return _dtype_reason(_flash_mod.DOMAIN, query.dtype)
+
+
+def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``kernelctl.flash_attn`` where it applies, else SDPA."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    why = _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
+        module, "attention", query.shape[0] * query.shape[2])
+    if why is not None:
+        _fallback("attention", why)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    rep = query.shape[1] // key.shape[1]
+    o = torch.ops.kernelctl.flash_attn(query.contiguous(), repeat_kv(key, rep).contiguous(),
+                                       repeat_kv(value, rep).contiguous())
+    return o.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register ``"kernelctl"`` in transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL, kernelctl_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+# ------------------------------------------------------------------------------------------------ switches
+def _follow_switches_in_generate(model: nn.Module) -> None:
+    """Drop the model's compiled call (and dynamo's graphs) before a ``generate`` under new served kernels."""
+    if getattr(model, "_kernelctl_generate", None) is not None or not hasattr(model, "generate"):
+        return
+    original = model.generate
+    state: dict[str, Any] = {"key": None}
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        rt = torch_ops.runtime()
+        rt.poll()
+        key = rt.served_key(torch_ops.bundle())
+        if state["key"] is not None and key != state["key"]:
+            log.info("served kernels changed: dropping %s's compiled call before this request",
+                     type(model).__name__)
+            if hasattr(model, "_compiled_call"):
+                del model._compiled_call
+            torch._dynamo.reset()
+        state["key"] = key
+        return original(*args, **kwargs)
+
+    model._kernelctl_generate = original  # type: ignore[assignment]
+    model.generate = generate  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------------------------------- entry
+def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
+    for m in model.modules():
+        if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
+            yield m
+
+
+def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
+                  policy: Mapping[str, TokenWindow] | None = None) -> dict[str, int]:
+    """Patch ``model`` (a Llama-family transformers model) in place; returns the modules replaced per kind.
+
+    ``kinds`` selects among ``rmsnorm``, ``mlp``, ``rope`` and ``attention`` (default: all). ``policy`` maps a
+    kind to the window of tokens per call (batch x sequence) where its kernel runs; other calls run
+    transformers' code (e.g. :data:`MEASURED_POLICY`; default: everywhere in the kernel's domain). Under
+    ``torch.compile`` the choice is made at trace time (static shapes), so it costs nothing per call.
+    Applying twice replaces nothing new (the counts of the second call are 0)."""
+    kinds = set(kinds)
+    unknown = (kinds | set(policy or {})) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
+    for kind, (lo, hi) in (policy or {}).items():
+        if lo < 0 or (hi is not None and hi < lo):
+            raise ValueError(f"policy for {kind}: token window [{lo}, {hi}] is empty or negative")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"apply_kernels supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    import importlib
+
+    ml = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    counts = dict.fromkeys(KINDS, 0)
+    attn_forward = _make_attention_forward(ml)
+    for layer in _decoder_layers(model):
+        for m in (layer, layer.mlp, layer.self_attn):
+            m.__dict__["_kernelctl_policy"] = dict(policy or {})
+        patched: set[str] = layer.__dict__.setdefault("_kernelctl_kinds", set())
+        if "rmsnorm" in kinds and "rmsnorm" not in patched:
+            layer.forward = types.MethodType(_decoder_layer_forward, layer)
+            patched.add("rmsnorm")
+            counts["rmsnorm"] += 1
+        mlp = layer.mlp
+        if "mlp" in kinds and "mlp" not in patched:
+            if getattr(config, "hidden_act", None) == "silu" and all(
+                    hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+                mlp.forward = types.MethodType(_mlp_forward, mlp)
+                patched.add("mlp")
+                counts["mlp"] += 1
+            else:
+                _fallback("mlp", f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU (SwiGLU)")
+        if "rope" in kinds and "rope" not in patched:
+            layer.self_attn.forward = types.MethodType(attn_forward, layer.self_attn)
+            patched.add("rope")
+            counts["rope"] += 1
+        if "attention" in kinds and "attention" not in patched:
+            patched.add("attention")
+            counts["attention"] += 1
+    if counts["attention"]:
+        register_attention()
+        model.set_attn_implementation(ATTN_IMPL)
+    _follow_switches_in_generate(model)
+    log.info("kernelctl kernels applied to %s: %s", type(model).__name__, counts)
+    return counts
