@@ -19,17 +19,27 @@ import torch
 from kernelpack.kernels.spec import DTYPES, KernelOp, Outputs, Shape, Tolerance
 
 # Bit patterns written into output buffers before a kernel runs (viewed as the same-width integer type).
-# Float poisons are NaNs with a non-canonical payload, so a NaN the kernel computes (canonical payload) is
-# still counted as non-finite, not as unwritten.
+# Float poisons are *signalling* NaNs with a distinctive payload. No arithmetic produces one: every NaN a
+# kernel computes is quiet, and each platform has its own canonical NaN (x86/NumPy: 0x7FC00000 / 0x7E00;
+# NVIDIA GPUs: all mantissa bits set, 0x7FFFFFFF / 0x7FFF, the pattern this harness used to poison with, so
+# on a GPU every computed NaN read as "unwritten" and was never excused by a non-finite reference). So a
+# computed NaN is counted as non-finite and only a never-written element as unwritten, on every platform.
 _POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
-    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF),
-    torch.float32: (torch.int32, 0x7FFFFFFF),
-    torch.float16: (torch.int16, 0x7FFF),
-    torch.bfloat16: (torch.int16, 0x7FFF),
-    torch.float8_e4m3fn: (torch.uint8, 0x7F),  # e4m3fn: S.1111.111 is its only NaN (no Inf)
-    torch.float8_e4m3fnuz: (torch.uint8, 0x80),  # fnuz: negative zero encodes NaN
-    torch.float8_e5m2: (torch.uint8, 0x7F),  # e5m2: exponent all ones, mantissa 11 -> NaN
+    torch.float64: (torch.int64, 0x7FF5A5A5A5A5A5A5),
+    torch.float32: (torch.int32, 0x7FA5A5A5),
+    torch.float16: (torch.int16, 0x7D5A),
+    torch.bfloat16: (torch.int16, 0x7FA5),
+    torch.float8_e4m3fn: (torch.uint8, 0xFF),  # e4m3fn: S.1111.111 is its only NaN; GPUs write +NaN (0x7F)
+    torch.float8_e4m3fnuz: (torch.uint8, 0x80),  # fnuz: negative zero encodes NaN (its only one)
+    torch.float8_e5m2: (torch.uint8, 0xFD),  # e5m2: exponent all ones, mantissa 01 (signalling), negative
     torch.float8_e5m2fnuz: (torch.uint8, 0x80),
+}
+# NaN bit patterns that real hardware writes for a computed NaN (tests check the poisons differ from these)
+COMPUTED_NANS: dict[torch.dtype, tuple[int, ...]] = {
+    torch.float64: (0x7FF8000000000000, -0x0008000000000000, 0x7FFFFFFFFFFFFFFF),
+    torch.float32: (0x7FC00000, -0x00400000, 0x7FFFFFFF),
+    torch.float16: (0x7E00, -0x0200, 0x7FFF),
+    torch.bfloat16: (0x7FC0, -0x0040, 0x7FFF),
 }
 
 
