@@ -12,8 +12,6 @@ import datetime as dt
 import json
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import typer
@@ -31,6 +29,9 @@ EXIT_USAGE = 2  # bad flags or filter values
 EXIT_REFUSED = 3  # verification failed, invalid transition, conflict
 EXIT_NOT_FOUND = 4
 EXIT_AUTH = 5
+# An operator call's HTTP error status -> the CLI's exit code (anything else: EXIT_ERROR).
+STATUS_EXIT = {400: EXIT_USAGE, 401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 409: EXIT_REFUSED,
+               413: EXIT_REFUSED, 422: EXIT_REFUSED}
 
 
 # C0/C1 controls, DEL, and the invisible/bidirectional formatting characters that reorder or hide text.
@@ -60,6 +61,12 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
+def exit_code(exc: BaseException) -> int:
+    """The exit code of a failure: an HTTP error's status through :data:`STATUS_EXIT`, else EXIT_ERROR."""
+    status = getattr(exc, "status", None)
+    return STATUS_EXIT.get(status, EXIT_ERROR) if isinstance(status, int) else EXIT_ERROR
+
+
 def _default(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.isoformat()
@@ -70,19 +77,3 @@ def _default(value: Any) -> Any:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=_default) + "\n")
-
-
-@contextmanager
-def database_errors() -> Iterator[None]:
-    """Turn database failures into one line on stderr and exit code 1."""
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
-    from controller.db.engine import DatabaseError
-
-    try:
-        yield
-    except DatabaseError as exc:
-        fail(str(exc))
-    except (OperationalError, ProgrammingError) as exc:
-        cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
-        fail(f"database error: {cause}")

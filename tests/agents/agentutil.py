@@ -27,16 +27,8 @@ FAST_PROFILE = {"batch_sizes": [1, 64], "prefill_tokens": [], "rounds": 1, "fuzz
 
 
 def agent_command() -> list[str]:
-    """``kernelctl agent`` (the root CLI when it mounts it, else the agent's own module)."""
-    try:
-        from kernelctl.cli import app
-
-        names = {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
-        if "agent" in names or "agent_command" in names:
-            return [sys.executable, "-m", "kernelctl.cli", "agent"]
-    except Exception:  # pragma: no cover
-        pass
-    return [sys.executable, "-m", "agents.cli"]
+    """``kernelctl agent`` (the root CLI, cli/app.py)."""
+    return [sys.executable, "-m", "cli.app", "agent"]
 
 
 class AgentProcess:

@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from agents.cli import agent_command
+from cli.agent import agent_command
 from kernelpack.signing import generate_keypair
 
 app = typer.Typer()

@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from kernelctl.procs import ServeProcess, kernelctl_args, popen_spawner, serve_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
 
@@ -42,26 +44,19 @@ def make_tokens() -> dict[str, str]:
     return {k: f"kctl_test_{k}_{secrets.token_urlsafe(24)}" for k in ("operator", "viewer", "enroll")}
 
 
-def _use_root_cli() -> bool:
-    # The root `kernelctl` app mounts controller.cli (same commands) but imports every package's CLI
-    # (torch, scipy): seconds per start. Tests run the controller's own entry point unless asked otherwise.
-    return os.environ.get("KERNELCTL_TEST_CLI", "controller") == "root"
-
-
 def serve_command() -> list[str]:
-    """``kernelctl serve`` as a command line (``KERNELCTL_TEST_CLI=root``: through the root app)."""
+    """``kernelctl serve`` as a command line."""
     return [*cli_command(), "serve"]
 
 
 def cli_command() -> list[str]:
-    """The ``kernelctl`` command line for CLI tests: ``python -m controller.cli`` (the controller commands as
-    mounted on the root app) or, with ``KERNELCTL_TEST_CLI=root``, ``python -m kernelctl.cli``."""
-    return [sys.executable, "-m", "kernelctl.cli" if _use_root_cli() else "controller.cli"]
+    """The ``kernelctl`` command line for CLI tests: ``python -m cli.app`` (the root app, cli/app.py)."""
+    return kernelctl_args()
 
 
 ZYGOTE_CODE = r"""
 import json, os, signal, sys
-import controller.cli, controller.server, controller.scheduler, controller.tick, controller.ingest  # the slow part
+import cli.app, controller.server, controller.scheduler, controller.tick, controller.ingest  # the slow part
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
 sys.stdout.write("ready\n"); sys.stdout.flush()
 for line in sys.stdin:
@@ -76,7 +71,7 @@ for line in sys.stdin:
         from kernelctl.settings import get_settings
         get_settings.cache_clear()
         try:
-            controller.cli.standalone_app()(args=req["argv"], prog_name="kernelctl")
+            cli.app.app(args=req["argv"], prog_name="kernelctl")
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
@@ -146,8 +141,9 @@ class ForkedProcess:
         return self.returncode  # type: ignore[return-value]
 
 
-class ControllerProcess:
-    """One ``kernelctl serve`` process on a database; restartable (each start gets a fresh free port)."""
+class ControllerProcess(ServeProcess):
+    """One ``kernelctl serve`` process on a database (kernelctl.procs.ServeProcess, the one launcher), with
+    the test settings and bootstrap tokens; restartable (each start gets a fresh free port)."""
 
     def __init__(
         self,
@@ -165,133 +161,27 @@ class ControllerProcess:
         zygote: Zygote | None = None,
     ) -> None:
         self.db_url = db_url
-        self.workdir = Path(workdir) / f"controller-{name}"
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        workdir = Path(workdir) / f"controller-{name}"
         self.tokens = tokens if tokens is not None else make_tokens()
-        self.trusted_keys_dir = trusted_keys_dir
-        self.tick_seconds = tick_seconds
-        self.stale_after_seconds = stale_after_seconds
-        self.heartbeat_seconds = heartbeat_seconds
-        self.max_bundle_bytes = max_bundle_bytes
-        self.extra_env = extra_env or {}
-        self.zygote = zygote
-        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
-        self.port: int | None = None
-        self.log_path = self.workdir / "server.log"
-        self.tokens_file = self.workdir / "tokens.txt"
-        self._starts = 0
-
-    # -------------------------------------------------------------------------------- lifecycle
-    @property
-    def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("controller is not running")
-        return f"http://127.0.0.1:{self.port}"
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELCTL_")}
-        env.update(
-            {
-                "KERNELCTL_DATABASE_URL": self.db_url,
-                "KERNELCTL_DATA_DIR": str(self.workdir / "data"),
-                "KERNELCTL_TICK_SECONDS": str(self.tick_seconds),
-                "KERNELCTL_STALE_AFTER_SECONDS": str(self.stale_after_seconds),
-                "KERNELCTL_HEARTBEAT_SECONDS": str(self.heartbeat_seconds),
-                "KERNELCTL_BOOTSTRAP_TOKENS_FILE": str(self.tokens_file),
-                "KERNELCTL_LOG_LEVEL": "INFO",
-                "PYTHONUNBUFFERED": "1",
-                "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
-            }
-        )
-        if self.trusted_keys_dir is not None:
-            env["KERNELCTL_TRUSTED_KEYS_DIR"] = str(self.trusted_keys_dir)
-        if self.max_bundle_bytes is not None:
-            env["KERNELCTL_MAX_BUNDLE_BYTES"] = str(self.max_bundle_bytes)
-        env.update(self.extra_env)
-        return env
+        self.tokens_file = workdir / "tokens.txt"
+        env = serve_env(db_url, data_dir=workdir / "data", tick_seconds=tick_seconds,
+                        stale_after_seconds=stale_after_seconds, heartbeat_seconds=heartbeat_seconds,
+                        trusted_keys_dir=trusted_keys_dir, bootstrap_tokens_file=self.tokens_file, log_level="INFO",
+                        TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+        if max_bundle_bytes is not None:
+            env["KERNELCTL_MAX_BUNDLE_BYTES"] = str(max_bundle_bytes)
+        super().__init__(workdir, {**env, **(extra_env or {})}, log_path=workdir / "server.log",
+                         spawn=zygote.spawn if zygote is not None else popen_spawner)
 
     def _write_tokens(self) -> None:
         roles = {"operator": "operator", "viewer": "viewer", "enroll": "agent"}
         lines = [f"{roles.get(k, k)} test-{k} {v}" for k, v in self.tokens.items() if k in roles]
         self.tokens_file.write_text("\n".join(lines) + "\n")
 
-    def start(self, *, wait_leader: bool = False, timeout: float = READY_TIMEOUT) -> ControllerProcess:
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError("controller already running")
+    def start(self, *, wait_leader: bool = False, timeout: float = READY_TIMEOUT) -> ControllerProcess:  # type: ignore[override]
         self._write_tokens()
-        port_file = self.workdir / "port"
-        port_file.unlink(missing_ok=True)
-        self._starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start #{self._starts} =====\n".encode())
-        args = ["--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
-        if self.zygote is not None:
-            self.proc = self.zygote.spawn(["serve", *args], self.env(), self.log_path)
-        else:
-            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-            self.proc = subprocess.Popen([*serve_command(), *args], cwd=REPO_ROOT, env=self.env(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            log.close()
-        deadline = time.monotonic() + timeout
-        while not port_file.exists():
-            self._check_alive("before listening")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"controller did not start listening in {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.05)
-        self.port = int(port_file.read_text().strip())
-        self.wait_ready(timeout=max(1.0, deadline - time.monotonic()), leader=wait_leader)
+        super().start(timeout=timeout, leader=wait_leader)
         return self
-
-    def _check_alive(self, when: str) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"controller exited with {self.proc.returncode} {when}:\n{self.log_tail()}")
-
-    def readyz(self) -> dict[str, Any] | None:
-        try:
-            r = httpx.get(self.url + "/readyz", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        return r.json() if r.status_code == 200 else None
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT, *, leader: bool = False) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_alive("while waiting for /readyz")
-            body = self.readyz()
-            if body is not None and (body.get("leader") or not leader):
-                return body
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"controller not ready (leader={leader}) in {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.1)
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (graceful) and wait; SIGKILL if it does not exit in ``timeout``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        rc = self.proc.returncode
-        self.proc, self.port = None, None
-        return rc
-
-    def kill(self) -> None:
-        """SIGKILL (a crash at an arbitrary instant)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait(10)
-        self.proc, self.port = None, None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     # -------------------------------------------------------------------------------- helpers
     def client(self, who: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> httpx.Client:
@@ -299,20 +189,6 @@ class ControllerProcess:
         tok = token if token is not None else (self.tokens[who] if who else None)
         headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
-
-    def __enter__(self) -> ControllerProcess:
-        if not self.running:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 # ------------------------------------------------------------------------------------------ test data

@@ -108,7 +108,7 @@ def test_parse_time() -> None:
 
 def _cli(*args: str, db: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KERNELCTL_DATABASE_URL": db, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "kernelctl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.app", *args], capture_output=True, text=True,
                           env=env, timeout=60)
 
 

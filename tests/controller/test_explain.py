@@ -90,7 +90,7 @@ def test_explain_shows_every_metric_and_the_deciding_one(ctl: ControllerProcess,
         assert 'kernelctl_verdicts_total{decision="rollback",gate="launches"} 1.0' in viewer.get("/metrics").text
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kernelctl.cli", *args, "--url", ctl.url, "--token",
+        return subprocess.run([sys.executable, "-m", "cli.app", *args, "--url", ctl.url, "--token",
                                ctl.tokens["viewer"]], capture_output=True, text=True, timeout=60,
                               env={**ctl.env(), "COLUMNS": "250"})
 

@@ -7,8 +7,8 @@ import pytest
 
 from controller.judge.confseq import margin_test
 from controller.judge.family import MetricSeries, judge_family, metric_params, split_alpha
-from controller.judge.noise import NOISE_CLASSES, FamilyNoise
-from controller.judge.sim import cell_effects, family_series, judge_codes, metric_layout, traffic_weights
+from sim.judge.noise import NOISE_CLASSES, FamilyNoise
+from sim.judge.sim import cell_effects, family_series, judge_codes, metric_layout, traffic_weights
 
 MARGIN = math.log(1.02)
 

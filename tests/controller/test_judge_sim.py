@@ -5,9 +5,9 @@ import json
 import numpy as np
 from typer.testing import CliRunner
 
-from controller.judge.cli import sim_app
-from controller.judge.noise import NOISE_CLASSES, FamilyNoise, NoiseModel, _timing_noise, simulate_reports
-from controller.judge.sim import cell_effects, traffic_weights
+from sim.judge.cli import sim_app
+from sim.judge.noise import NOISE_CLASSES, FamilyNoise, NoiseModel, _timing_noise, simulate_reports
+from sim.judge.sim import cell_effects, traffic_weights
 
 
 def test_legacy_noise_model_used_by_the_fleet_simulator() -> None:

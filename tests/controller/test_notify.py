@@ -272,7 +272,7 @@ def test_notify_test_command(hook: WebhookReceiver) -> None:
 
 
 def test_demo_refuses_a_bad_notify_url_before_starting_anything() -> None:
-    proc = subprocess.run([sys.executable, "-m", "kernelctl.cli", "demo", "--notify-url", "hooks.example/x?k=sekret"],
+    proc = subprocess.run([sys.executable, "-m", "cli.app", "demo", "--notify-url", "hooks.example/x?k=sekret"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2, proc.stderr
     assert "KERNELCTL_NOTIFY_URLS: entry 1" in proc.stderr and "sekret" not in proc.stderr + proc.stdout

@@ -388,7 +388,7 @@ def test_edge_values_are_4xx_naming_the_field(ctl: ControllerProcess, bundles: T
     assert events(ctl) == before
     # the audit CLI: one line, exit 2, no traceback
     for value in ("99999999d", "²m"):
-        one_line_error(kctl("audit", "--since", value, "--db", ctl.db_url, module="kernelctl.cli"), 2, "--since")
+        one_line_error(kctl("audit", "--since", value, "--db", ctl.db_url, module="cli.app"), 2, "--since")
 
 
 # -------------------------------------------------------------------------- 5. terminal injection

@@ -9,9 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli.bundle import bundle_app
+from cli.keys import keys_app
 from kernelpack.archive import read_archive, write_archive
 from kernelpack.build import BuildResult
-from kernelpack.cli import bundle_app, keys_app
 from tests.kernelpack.bundle_fixtures import *  # noqa: F403
 from tests.kernelpack.bundle_fixtures import Keys, write_tiny_src
 

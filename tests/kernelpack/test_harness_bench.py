@@ -193,7 +193,7 @@ def built_bundle(tmp_path_factory):
 def _cli():
     import typer
 
-    from kernelpack.harness.cli import register
+    from cli.bundle_bench import register
 
     app = typer.Typer()
     bundle_app = typer.Typer()
@@ -217,7 +217,7 @@ def test_bundle_bench_cli_json_and_table(built_bundle, monkeypatch):
     assert all(r["launches_per_call"] == 1 and r["median_s"] > 0 and r["gbps"] > 0 for r in report["results"])
     from rich.console import Console
 
-    from kernelpack.harness.cli import _print_tables
+    from cli.bundle_bench import _print_tables
 
     console = Console(record=True, width=120)
     _print_tables(console, report)

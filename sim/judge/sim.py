@@ -14,7 +14,7 @@ the decisions equal ``judge_family``'s on the accumulated samples, tick by tick.
 
 Per-report cell samples come from raw interleaved timings reduced by the engine's estimator
 (:func:`controller.judge.statistic.cell_log_ratios`), drawn from pools built per noise class (see
-:mod:`controller.judge.noise`); traffic weights are Zipf (w_c ~ 1 / (c + 1)).
+:mod:`sim.judge.noise`); traffic weights are Zipf (w_c ~ 1 / (c + 1)).
 
 Scenarios: ``identical`` (A/A), ``plus1`` (+1% in every cell, inside the 2% margin), ``plus5`` (+5% in
 every cell), ``cell2x`` (the cell with the least traffic 2x slower, the rest identical).
@@ -42,7 +42,7 @@ import numpy as np
 from controller.judge.confseq import margin_test
 from controller.judge.family import MetricSeries, metric_params, split_alpha
 from controller.judge.latency import METHOD
-from controller.judge.noise import NOISE_CLASSES, FamilyNoise
+from sim.judge.noise import NOISE_CLASSES, FamilyNoise
 
 NEVER = np.iinfo(np.int32).max
 SCENARIOS = ("identical", "plus1", "plus5", "cell2x")

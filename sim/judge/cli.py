@@ -1,6 +1,6 @@
 """``kernelctl sim`` Typer sub-app; owns the ``judge`` command (the judge simulator).
 
-The lead mounts ``sim_app`` as ``kernelctl sim``; other commands (``sim fleet``) are added elsewhere.
+cli/app.py mounts ``sim_app`` as ``kernelctl sim`` and adds ``sim fleet`` (sim/fleet) to it.
 Exit codes: 0 done; 2 bad option (unknown noise class or scenario, malformed list), one line naming it.
 """
 
@@ -67,8 +67,8 @@ def judge_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Simulate canary steps and judge them with the family judge and, side by side, two baselines."""
-    from controller.judge.noise import NOISE_CLASSES  # numpy, scipy
-    from controller.judge.sim import SimConfig, parse_csv, simulate
+    from sim.judge.noise import NOISE_CLASSES  # numpy, scipy
+    from sim.judge.sim import SimConfig, parse_csv, simulate
 
     names = list(NOISE_CLASSES) if noise == "all" else [noise]
     try:

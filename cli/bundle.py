@@ -1,8 +1,8 @@
-"""CLI for keys and bundles: ``keys generate`` and ``bundle build|verify|inspect`` (Typer sub-apps).
+"""``kernelctl bundle build|verify|inspect``: kernel bundles on this machine (the ``bundle`` Typer sub-app).
 
-The root ``kernelctl`` app mounts ``keys_app`` as ``keys`` and ``bundle_app`` as ``bundle``; other packages add
-their own commands to ``bundle_app`` (push/list/show). Exit codes: 0 ok, 2 usage, 3 verification failure,
-1 other error. Errors are one line on stderr, never a traceback.
+The root app (cli/app.py) mounts ``bundle_app`` as ``bundle`` and adds ``push|list|show``
+(cli/bundle_registry.py) and ``bench`` (cli/bundle_bench.py) to it. Exit codes (``kernelctl.console``):
+0 ok, 2 usage, 3 verification failure, 1 other error. Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,22 +16,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kernelctl.console import EXIT_ERROR, EXIT_REFUSED, fail
 from kernelpack.archive import DEFAULT_LIMITS, Limits, read_archive
 from kernelpack.errors import BundleError, ManifestError, VerificationError
 from kernelpack.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
-from kernelpack.signing import generate_keypair, parse_signature
+from kernelpack.signing import parse_signature
 from kernelpack.verify import sha256_hex, verify_path
 
-keys_app = typer.Typer(help="Manage ed25519 bundle-signing keys.", no_args_is_help=True)
 bundle_app = typer.Typer(help="Build, verify and inspect kernel bundles (.kpack).", no_args_is_help=True)
 
-EXIT_OK, EXIT_OTHER, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
 
 
 def _fail(exc: Exception) -> NoReturn:
-    code = EXIT_VERIFY if isinstance(exc, VerificationError | ManifestError) else EXIT_OTHER
-    typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(code)
+    """One line on stderr; exit 3 for a bundle that fails verification, 1 for anything else."""
+    fail(str(exc), EXIT_REFUSED if isinstance(exc, VerificationError | ManifestError) else EXIT_ERROR)
 
 
 def _limits(max_member_mib: int | None, max_total_mib: int | None) -> Limits:
@@ -42,18 +40,6 @@ def _limits(max_member_mib: int | None, max_total_mib: int | None) -> Limits:
         max_members=DEFAULT_LIMITS.max_members,
         max_archive_bytes=(max_total_mib * mib) if max_total_mib else DEFAULT_LIMITS.max_archive_bytes,
     )
-
-
-@keys_app.command("generate")
-def keys_generate(
-    directory: Annotated[Path, typer.Argument(help="Where to write <key-id>.key (0600) and <key-id>.pub.")],
-) -> None:
-    """Generate an ed25519 signing key pair."""
-    try:
-        kp = generate_keypair(directory)
-    except (BundleError, OSError) as exc:
-        _fail(exc)
-    typer.echo(f"key id {kp.key_id}\nprivate key {kp.private_path}\npublic key {kp.public_path}")
 
 
 @bundle_app.command("build")

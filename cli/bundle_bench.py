@@ -1,6 +1,6 @@
 """``kernelctl bundle bench FILE``: load a verified bundle and benchmark every op on this machine.
 
-``register(bundle_app)`` mounts the command on the bundle Typer sub-app; ``bench_command`` is the plain
+``register(bundle_app)`` (called by cli/app.py) mounts the command on the bundle Typer sub-app; ``bench_command`` is the plain
 function behind it. Prints one Rich table per op (median latency, achieved GB/s, launches per call, host
 launch overhead, peak memory) or, with ``--json``, a JSON document of ``BenchResult`` records.
 """

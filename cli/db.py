@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
-from controller.db import migrate
-from controller.db.engine import check_reachable, make_engine
-from kernelctl.console import console, database_errors, print_json
-from kernelctl.settings import get_settings
+from cli.common import DbOption, database_errors, resolve_db
+from kernelctl.console import console, print_json
 
 db_app = typer.Typer(help="Changelog database schema (Alembic migrations).", no_args_is_help=True)
-
-DbOption = Annotated[
-    str | None, typer.Option("--db", help="Database URL (default: KERNELCTL_DATABASE_URL or embedded SQLite).")
-]
-
-
-def resolve_db(db: str | None) -> str:
-    return db or get_settings().database_url
-
 
 @db_app.command("upgrade")
 def upgrade(db: DbOption = None, revision: str = typer.Option("head", help="Target revision.")) -> None:
     """Migrate the database to the newest schema (creates it if missing)."""
+    from controller.db import migrate
+    from controller.db.engine import check_reachable, make_engine
+
     with database_errors():
         engine = make_engine(resolve_db(db))
         check_reachable(engine)
@@ -37,6 +27,9 @@ def upgrade(db: DbOption = None, revision: str = typer.Option("head", help="Targ
 @db_app.command("current")
 def current(db: DbOption = None, json_out: bool = typer.Option(False, "--json", help="JSON output.")) -> None:
     """Show the database's schema revision and the code's head revision."""
+    from controller.db import migrate
+    from controller.db.engine import check_reachable, make_engine
+
     with database_errors():
         engine = make_engine(resolve_db(db), read_only=True)
         check_reachable(engine)
@@ -55,6 +48,9 @@ def downgrade(
     db: DbOption = None,
 ) -> None:
     """Migrate the schema down to REVISION (destroys data of the dropped tables)."""
+    from controller.db import migrate
+    from controller.db.engine import check_reachable, make_engine
+
     with database_errors():
         engine = make_engine(resolve_db(db))
         check_reachable(engine)

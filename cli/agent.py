@@ -1,7 +1,7 @@
 """``kernelctl agent``: run the node agent in the foreground (flags override the ``KERNELCTL_*`` settings).
 
-The root app mounts it with ``app.command("agent")(agent_command)``; ``python -m agents.cli`` runs it alone.
-Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad flags or config files, 5 token refused, 1 other failure.
+Exit codes (``kernelctl.console``): 0 stopped by SIGTERM/SIGINT, 2 bad flags or config files, 5 token refused,
+1 other failure. The daemon itself is agents/daemon.py.
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from typing import Annotated
 
 import typer
 
-EXIT_USAGE = 2
-EXIT_AUTH = 5
-
-
-def _fail(message: str, code: int) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+from kernelctl.console import EXIT_AUTH, EXIT_ERROR, EXIT_USAGE
+from kernelctl.console import fail as _fail
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -117,14 +112,10 @@ def agent_command(
         _fail(str(exc), EXIT_AUTH)
         return
     except OSError as exc:
-        _fail(f"{exc.strerror or exc}: {getattr(exc, 'filename', '') or ''}", 1)
+        _fail(f"{exc.strerror or exc}: {getattr(exc, 'filename', '') or ''}", EXIT_ERROR)
         return
     raise typer.Exit(code)
 
 
-agent_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-agent_app.command("agent")(agent_command)
-
-
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover - ``python -m cli.agent``: the agent alone
     typer.run(agent_command)

@@ -28,8 +28,8 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from cli.demo_fleet import FleetError, LocalFleet, NodeSpec
 from kernelctl.console import EXIT_ERROR, EXIT_USAGE, console, err_console, print_json
-from kernelctl.fleet import FleetError, LocalFleet, NodeSpec
 
 STABLE, CANDIDATE, FAULT = "1.0.0", "1.1.0", "1.2.0-fault.drift"
 

@@ -10,18 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from controller.audit import (
-    AuditFilters,
-    AuditQueryError,
-    active_at,
-    event_to_dict,
-    nodes_that_ran,
-    parse_time,
-    query_events,
-)
-from controller.db.cli import DbOption, resolve_db
-from controller.db.engine import check_schema_current, make_engine, session_factory
-from kernelctl.console import EXIT_USAGE, console, database_errors, fail, print_json, safe
+from cli.common import DbOption, database_errors, resolve_db
+from kernelctl.console import EXIT_USAGE, console, fail, print_json, safe
 
 
 class OutputFormat(str, Enum):
@@ -33,6 +23,8 @@ class OutputFormat(str, Enum):
 def _parse(value: str | None, flag: str) -> Any:
     if value is None:
         return None
+    from controller.audit import AuditQueryError, parse_time
+
     try:
         return parse_time(value)
     except AuditQueryError as exc:
@@ -53,6 +45,16 @@ def audit(
     db: DbOption = None,
 ) -> None:
     """Query the append-only changelog: who did what to which bundle/node, and what ran where when."""
+    from controller.audit import (
+        AuditFilters,
+        AuditQueryError,
+        active_at,
+        event_to_dict,
+        nodes_that_ran,
+        query_events,
+    )
+    from controller.db.engine import check_schema_current, make_engine, session_factory
+
     since_t, until_t, at_t = _parse(since, "--since"), _parse(until, "--until"), _parse(at, "--at")
     if at_t is not None and not node:
         fail("--at needs --node (what was active on that node at that time)", EXIT_USAGE)

@@ -1,0 +1,28 @@
+"""``kernelctl nodes``: the fleet as the controller sees it (stratum, liveness, versions, canary phase)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from cli.common import JsonOption, TokenOption, UrlOption, remote
+from kernelctl.console import console, print_json, safe
+
+
+def nodes_cmd(ctx: typer.Context, state: Annotated[str | None, typer.Option(help="active or stale.")] = None,
+              url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
+    """List nodes: stratum, liveness, active versions, a canary's phase (staged, verified, serving)."""
+    rows = remote(ctx, url, token).request("GET", "/v1/nodes", params={"state": state} if state else None)
+    if json_out:
+        print_json(rows)
+        return
+    table = Table("node", "state", "stratum", "gpu", "last heartbeat", "active", "desired", "phase")
+    for n in rows:  # every cell is node-supplied or stored text: printed literally, never as markup
+        table.add_row(safe(n["name"]), safe(n["state"]), safe(n["stratum"]), safe(n["gpu_name"]),
+                      safe(str(n["last_heartbeat_at"])[:19]),
+                      safe(", ".join(f"{k}@{v}" for k, v in n["active"].items())),
+                      safe(", ".join(f"{k}@{v}" for k, v in n["desired"].items())),
+                      safe(", ".join(f"{k}: {v}" for k, v in n.get("phases", {}).items()) or "-"))
+    console.print(table)

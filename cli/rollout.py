@@ -1,0 +1,198 @@
+"""``kernelctl rollout start|list|status|explain``: start a canary rollout and follow the judge's verdicts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from cli.common import JsonOption, TokenOption, UrlOption, remote, split_ref
+from kernelctl.console import EXIT_USAGE, console, esc, fail, print_json, safe
+from kernelctl.vocab import TERMINAL_STATES as TERMINAL
+
+# ------------------------------------------------------------------------------------------ rollouts
+rollout_app = typer.Typer(help="Start and follow rollouts.", no_args_is_help=True)
+
+
+def _rollout_renderable(r: dict[str, Any]) -> Group:
+    head = (f"rollout [bold]{esc(r['id'])}[/] {esc(r['bundle'])}  state [bold]{esc(r['state'])}[/]  step "
+            f"{esc(r['step_index'])}  by {esc(r['created_by'])}" + (f"  reason: {esc(r['reason'])}" if r.get("reason")
+                                                                   else ""))
+    strata = Table("stratum", "state", "step", "baseline", "fleet", "assigned", "active",
+                   "staged/verified/serving", "latest verdict", "deciding metric", "evidence", title="strata")
+    for s in r["strata"]:
+        v = s.get("latest_verdict")
+        ev = ""
+        if v:
+            keys = ("reason", "log_ratio", "ci", "lower", "upper", "margin", "n", "failures")
+            ev = ", ".join(f"{k}={v['evidence'][k]}" for k in keys if k in v["evidence"])[:80]
+        strata.add_row(
+            safe(s["stratum"]), safe(s["state"]), str(s["step_index"]), safe(s.get("baseline") or "-"),
+            str(s["nodes"].get("fleet", 0)), str(s["nodes"].get("assigned", 0)), str(s["nodes"].get("active", 0)),
+            "/".join(str(s["nodes"].get(p, 0)) for p in ("staged", "verified", "serving")),
+            safe(f"{v['decision']}/{v['gate']} ({v['samples']} samples)") if v else "-",
+            safe(v["evidence"].get("deciding_metric") or "-") if v else "-", safe(ev),
+        )
+    steps = Table("step", "size", "bake s", "min samples", "deadline s", title="plan")
+    for st in r["steps"]:
+        size = f"{st['nodes']} node(s)" if st["nodes"] is not None else f"{st['percent']:g}%"
+        steps.add_row(str(st["index"]), size, f"{st['bake_seconds']:g}", str(st["min_samples"]),
+                      f"{st['deadline_seconds']:g}")
+    return Group(Panel(head), strata, steps)
+
+
+@rollout_app.command("start")
+def rollout_start(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="NAME@VERSION")],
+    plan: Annotated[Path | None, typer.Option(help="Plan file (JSON or YAML).")] = None,
+    force: Annotated[bool, typer.Option(help="Start even if the blast-radius checks refuse.")] = False,
+    reason: Annotated[str | None, typer.Option(help="Why (recorded in the changelog).")] = None,
+    accept_contract_change: Annotated[str | None, typer.Option(
+        "--accept-contract-change", metavar="WHY",
+        help="Accept a candidate that loosens the stable version's tolerances, domain or golden vectors "
+             "(the reason is recorded in the changelog).")] = None,
+    url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
+) -> None:
+    """Start a canary rollout of a registered bundle version."""
+    split_ref(ref)
+    body: dict[str, Any] = {"bundle": ref, "force": force, "reason": reason}
+    if accept_contract_change is not None:
+        body["accept_contract_change"] = accept_contract_change
+    if plan is not None:
+        body["plan"] = _read_plan(plan)
+    r = remote(ctx, url, token).request("POST", "/v1/rollouts", json=body)
+    if json_out:
+        print_json(r)
+    else:
+        console.print(f"rollout [bold]{esc(r['id'])}[/] of {esc(r['bundle'])} started ({esc(r['state'])}, "
+                      f"{len(r['strata'])} strata)")
+
+
+def _read_plan(path: Path) -> Any:
+    import json
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        fail(f"cannot read plan {path}: {exc.strerror or exc}", EXIT_USAGE)
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml  # optional
+
+        return yaml.safe_load(text)
+    except ImportError:
+        fail(f"plan {path} is not valid JSON", EXIT_USAGE)
+    except Exception as exc:
+        fail(f"plan {path} is neither JSON nor YAML: {str(exc).splitlines()[0]}", EXIT_USAGE)
+
+
+@rollout_app.command("list")
+def rollout_list(ctx: typer.Context, state: Annotated[str | None, typer.Option(help="Only this state.")] = None,
+                 url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
+    """List rollouts, newest first."""
+    rows = remote(ctx, url, token).request("GET", "/v1/rollouts", params={"state_filter": state} if state else None)
+    if json_out:
+        print_json(rows)
+        return
+    table = Table("id", "bundle", "state", "step", "created", "by", "reason")
+    for r in rows:
+        table.add_row(str(r["id"]), safe(r["bundle"]), safe(r["state"]), str(r["step_index"]),
+                      safe(r["created_at"][:19]), safe(r["created_by"]), safe(r.get("reason") or ""))
+    console.print(table)
+
+
+@rollout_app.command("status")
+def rollout_status(
+    ctx: typer.Context,
+    rollout_id: Annotated[int, typer.Argument(help="Rollout id.")],
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until the rollout ends (Ctrl-C stops).")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh period with --watch.")] = 2.0,
+    url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
+) -> None:
+    """Show a rollout: strata, step, nodes per state, latest verdicts with evidence."""
+    client = remote(ctx, url, token)
+    r = client.request("GET", f"/v1/rollouts/{rollout_id}")
+    if not watch:
+        if json_out:
+            print_json(r)
+        else:
+            console.print(_rollout_renderable(r))
+        return
+    try:
+        if json_out:  # no live view: wait quietly, print the final state as JSON
+            while r["state"] not in TERMINAL:
+                time.sleep(max(0.2, interval))
+                r = client.request("GET", f"/v1/rollouts/{rollout_id}")
+        else:
+            with Live(_rollout_renderable(r), console=console, refresh_per_second=4) as live:
+                while r["state"] not in TERMINAL:
+                    time.sleep(max(0.2, interval))
+                    r = client.request("GET", f"/v1/rollouts/{rollout_id}")
+                    live.update(_rollout_renderable(r))
+    except KeyboardInterrupt:
+        pass
+    if json_out:
+        print_json(r)
+
+
+def _fmt_metric(unit: str, x: float | None) -> str:
+    import math
+
+    if x is None:
+        return "-"
+    if unit == "log_ratio":
+        return f"{math.expm1(x):+.1%}"
+    if unit == "ratio":
+        return f"{x:.2f}x"
+    return f"{x:.3g}"
+
+
+def explain_renderable(doc: dict[str, Any]) -> Group:
+    """metric x stratum: value, bounds, margin, n, decision, and which metric decided."""
+    parts: list[Any] = [Panel(f"rollout [bold]{doc['rollout_id']}[/] {doc['bundle']}  state [bold]{doc['state']}[/]")]
+    for s in doc["strata"]:
+        title = (f"{s['stratum']}  {s['state']} step {s['step_index']}  verdict {s['decision']}/{s['gate']}"
+                 f"  deciding: {s.get('deciding_metric') or '-'}")
+        t = Table("metric", "kind", "value", "lower", "upper", "margin", "n", "decision", "decided", title=title,
+                  caption=s.get("reason") or None)
+        for m in s["metrics"]:
+            margin = m["margin"]
+            if m["unit"] == "ratio" and margin is not None:
+                margin_s = f"+{margin:.0%}"
+            elif m["unit"] == "log_ratio":
+                margin_s = _fmt_metric("log_ratio", margin)
+            else:
+                margin_s = "-" if margin is None else f"{margin:g}"
+            upper = m["upper"]
+            upper_s = (f"{upper:g} (stable)" if m["kind"] == "launches" and upper is not None
+                       else _fmt_metric(m["unit"], upper))
+            t.add_row(m["metric"], m["kind"], _fmt_metric(m["unit"], m["value"]), _fmt_metric(m["unit"], m["lower"]),
+                      upper_s, margin_s, str(m["n"]), m["decision"], "[bold]yes[/]" if m["deciding"] else "")
+        parts.append(t)
+    return Group(*parts)
+
+
+@rollout_app.command("explain")
+def rollout_explain(
+    ctx: typer.Context,
+    rollout_id: Annotated[int, typer.Argument(help="Rollout id.")],
+    stratum: Annotated[str | None, typer.Option(help="Only this stratum.")] = None,
+    url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
+) -> None:
+    """Explain the judge's verdicts: every metric per stratum (value, bounds, margin, decision, which decided)."""
+    params = {"stratum": stratum} if stratum else None
+    doc = remote(ctx, url, token).request("GET", f"/v1/rollouts/{rollout_id}/explain", params=params)
+    if json_out:
+        print_json(doc)
+    else:
+        console.print(explain_renderable(doc))
