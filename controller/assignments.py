@@ -322,6 +322,50 @@ def mark_verified(session: Session, node: Node, rollout_ids: set[int], now: dt.d
     return done
 
 
+@dataclass(frozen=True)
+class AssignmentView:
+    """What the desired state of one bundle on a node depends on (a row of ``assignments``)."""
+
+    bundle_name: str
+    desired_id: int | None
+    stable_id: int | None
+    rollout_id: int | None
+    phase: str | None
+
+
+def build_desired(rows: list[AssignmentView], *, refs: dict[int, wire.BundleRef], manifests: dict[int, dict[str, Any]],
+                  plans: dict[int, PlanSpec], strata_state: dict[int, str], stratum: str,
+                  cpu: bool) -> list[wire.DesiredBundle]:
+    """The heartbeat reply's desired state from a node's assignment rows (pure: no database).
+
+    ``refs``/``manifests``: bundle id -> reference / manifest; ``plans``: rollout id -> plan of a live rollout;
+    ``strata_state``: rollout id -> state of the node's stratum in that rollout. Shared by the database path
+    (:func:`desired_state`) and the per-generation cache of ``controller.watch``, so both answer the same.
+    """
+    out: list[wire.DesiredBundle] = []
+    for a in sorted(rows, key=lambda r: r.bundle_name):
+        if a.desired_id is None:
+            continue  # first rollout rolled back: nothing to run, serving code uses its fallback
+        desired = refs[a.desired_id]
+        stable = refs.get(a.stable_id) if a.stable_id is not None else None
+        candidate = a.rollout_id is not None and a.desired_id != a.stable_id
+        trial = None
+        plan = plans.get(a.rollout_id) if candidate and a.rollout_id is not None else None
+        if plan is not None and strata_state.get(a.rollout_id) in ("progressing", "paused"):  # type: ignore[arg-type]
+            batches, prefill = trial_shapes(manifests[a.desired_id], plan, cpu=cpu)
+            trial = wire.TrialSpec(
+                rollout_id=a.rollout_id, stratum=stratum, candidate=desired, stable=stable,  # type: ignore[arg-type]
+                batch_sizes=batches, prefill_tokens=prefill, rounds=plan.trial_rounds,
+                interval_seconds=plan.trial_interval_seconds)
+        serve = not candidate or plan is None or plan.serve_before_trial or a.phase in ("verified", "serving")
+        active = desired if serve else stable
+        out.append(wire.DesiredBundle(
+            name=a.bundle_name, active=active, stable=stable, role="candidate" if candidate else "stable",
+            trial=trial,
+            phase=a.phase if candidate and a.phase in ("staged", "verified", "serving") else None))  # type: ignore[arg-type]
+    return out
+
+
 def desired_state(session: Session, node: Node, *, now: dt.datetime | None = None,
                   rows: dict[str, Assignment] | None = None) -> list[wire.DesiredBundle]:
     """What the node should run for each bundle name (the heartbeat reply).
@@ -347,30 +391,12 @@ def desired_state(session: Session, node: Node, *, now: dt.datetime | None = Non
         strata_state = dict(session.execute(
             select(RolloutStratum.rollout_id, RolloutStratum.state)
             .where(RolloutStratum.rollout_id.in_(rollout_ids), RolloutStratum.stratum == stratum)).all())
-    out: list[wire.DesiredBundle] = []
-    for name in sorted(rows):
-        a = rows[name]
-        if a.desired_bundle_id is None:
-            continue  # first rollout rolled back: nothing to run, serving code uses its fallback
-        desired = bundles[a.desired_bundle_id]
-        stable = bundles.get(a.stable_bundle_id) if a.stable_bundle_id is not None else None
-        candidate = a.rollout_id is not None and a.desired_bundle_id != a.stable_bundle_id
-        trial = None
-        rollout = rollouts.get(a.rollout_id) if a.rollout_id is not None else None
-        plan = load_plan(rollout.plan) if candidate and rollout is not None else None
-        if plan is not None and rollout is not None and strata_state.get(rollout.id) in ("progressing", "paused"):
-            batches, prefill = trial_shapes(desired.manifest, plan, cpu=is_cpu_node(node))
-            trial = wire.TrialSpec(
-                rollout_id=rollout.id, stratum=stratum, candidate=_ref(desired),
-                stable=_ref(stable) if stable is not None else None, batch_sizes=batches,
-                prefill_tokens=prefill, rounds=plan.trial_rounds, interval_seconds=plan.trial_interval_seconds)
-        serve = not candidate or plan is None or plan.serve_before_trial or a.phase in ("verified", "serving")
-        active = desired if serve else stable
-        out.append(wire.DesiredBundle(
-            name=name, active=_ref(active) if active is not None else None,
-            stable=_ref(stable) if stable else None, role="candidate" if candidate else "stable", trial=trial,
-            phase=a.phase if candidate and a.phase in ("staged", "verified", "serving") else None))  # type: ignore[arg-type]
-    return out
+    views = [AssignmentView(a.bundle_name, a.desired_bundle_id, a.stable_bundle_id, a.rollout_id, a.phase)
+             for a in rows.values()]
+    return build_desired(views, refs={i: _ref(b) for i, b in bundles.items()},
+                         manifests={i: b.manifest for i, b in bundles.items()},
+                         plans={rid: load_plan(r.plan) for rid, r in rollouts.items()}, strata_state=strata_state,
+                         stratum=stratum, cpu=is_cpu_node(node))
 
 
 def canary_counts(session: Session, rollout_ids: list[int]) -> dict[tuple[int, str], int]:

@@ -129,6 +129,19 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # push of desired state (controller.watch): heartbeat time without the long-poll hold, reloads, batches
+        self.heartbeat_service = Histogram(
+            "kernelctl_heartbeat_service_seconds",
+            "Heartbeat handling time excluding the watch (long-poll) hold, by path (fast: from the snapshot; "
+            "slow: a transaction).", ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.desired_reload = Histogram(
+            "kernelctl_desired_reload_seconds", "Reload of the desired-state snapshot after a generation moved.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.liveness_flushed = Counter(
+            "kernelctl_liveness_flushed_total", "Heartbeat times written by the batched liveness flush.", registry=r)
+        self.overload = Counter(
+            "kernelctl_overload_total", "Requests answered 503 with Retry-After because too much work waited.",
+            ["what"], registry=r)
         self._factory: sessionmaker[Session] | None = None
         r.register(_FleetCollector(lambda: self._factory))
         self.leader.set(0)

@@ -41,8 +41,18 @@ class Settings(BaseSettings):
     listen_host: str = Field("127.0.0.1", description="Address `kernelctl serve` binds.")
     listen_port: int = Field(8080, ge=0, le=65535, description="Port `kernelctl serve` binds (0: any free).")
     tick_seconds: float = Field(2.0, gt=0, description="Judge tick period (leader only).")
-    stale_after_seconds: float = Field(30.0, gt=0, description="A node without heartbeat this long is stale.")
-    heartbeat_seconds: float = Field(5.0, gt=0, description="Heartbeat period the controller asks agents for.")
+    stale_after_seconds: float = Field(60.0, gt=0, description="A node without heartbeat this long is stale.")
+    heartbeat_seconds: float = Field(
+        15.0, gt=0, description="Heartbeat period the controller asks agents for; agents hold each heartbeat "
+        "open this long as a watch (desired state is pushed the moment it changes).")
+    watch_poll_seconds: float = Field(
+        2.0, gt=0, le=60, description="Each replica checks the desired-state generation this often (besides "
+        "PostgreSQL LISTEN/NOTIFY and its own commits).")
+    liveness_flush_seconds: float = Field(
+        1.0, gt=0, le=30, description="Heartbeat times are written in one statement per this period.")
+    max_pending_writes: int = Field(
+        64, gt=0, description="Most agent writes (registrations, heartbeats that change something, report "
+        "batches) waiting at once per replica; more are answered 503 with Retry-After.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
         None, description="File of `role name token` lines hashed into the database at start-up."
@@ -65,7 +75,7 @@ class Settings(BaseSettings):
                                              "after this time.")
     max_header_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024, description="Largest request line plus "
                                   "headers; larger is refused with 431 (or 400 from h11 while still arriving).")
-    max_connections: int = Field(2048, gt=0, description="Most concurrent connections and requests (503 over).")
+    max_connections: int = Field(16384, gt=0, description="Most concurrent connections and requests (503 over).")
     auth_cache_seconds: float = Field(
         5.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
         "another replica (or with `kernelctl token revoke`) takes effect within this time.")

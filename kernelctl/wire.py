@@ -117,6 +117,12 @@ class HeartbeatRequest(Strict):
     # moves the node's phase to "serving" (and opens its activation in the audit history)
     active: list[BundleRef] = Field(default_factory=list, max_length=64)
     trial_running: bool = False
+    # push (long-poll watch): the desired-state generation this node last applied (from a HeartbeatResponse)
+    # and how long the controller may hold the request until that desired state changes. The reply comes at
+    # once when the node's desired state is newer than ``generation`` (or ``wait_seconds`` is 0), otherwise
+    # when it changes (a rollback reaches a waiting node in one round trip) or after ``wait_seconds``.
+    generation: int | None = Field(None, ge=0, le=2**63 - 1)
+    wait_seconds: float = Field(0.0, ge=0, le=600)
 
 
 class TrialSpec(Strict):
@@ -157,6 +163,8 @@ class HeartbeatResponse(Strict):
     desired: list[DesiredBundle]
     heartbeat_seconds: float
     server_time: dt.datetime
+    # generation of this desired state: send it back as HeartbeatRequest.generation to watch for the next one
+    generation: int | None = None
 
 
 # ------------------------------------------------------------------------------------------- reports

@@ -214,11 +214,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _db(_r: Request, exc: OperationalError) -> JSONResponse:
         cause = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
         log.error("database error: %s", cause)
-        return _error(503, f"database unavailable: {cause}")
+        return _error(503, f"database unavailable: {cause}", {"Retry-After": "2"})
 
     @app.exception_handler(DatabaseError)
     async def _db2(_r: Request, exc: DatabaseError) -> JSONResponse:
-        return _error(503, str(exc))
+        return _error(503, str(exc), {"Retry-After": "2"})
 
 
 def _load_trusted_keys(settings: Settings) -> dict | None:
@@ -263,10 +263,12 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from controller.scheduler import ControllerScheduler
+        from controller.scheduler import ControllerScheduler, start_hub
 
         st = state or build_state(settings)
         app.state.kctl = st
+        hub = start_hub(st)  # desired-state push and batched liveness (controller.watch), every replica
+        await hub.start()
         scheduler = ControllerScheduler(st) if run_scheduler else None
         if scheduler is not None:
             scheduler.start()
@@ -275,6 +277,7 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
         finally:
             if scheduler is not None:
                 scheduler.shutdown()
+            await hub.stop()
             st.elector.release()
             st.metrics.leader.set(0)
             st.engine.dispose()

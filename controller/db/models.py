@@ -239,6 +239,19 @@ class Assignment(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
+class DesiredGeneration(Base):
+    """One row: the generation of the fleet's desired state, bumped by every commit that changes it.
+
+    Replicas cache the desired state per generation and long-polling agents are woken when it moves
+    (``controller.watch``); on PostgreSQL the bump also sends ``NOTIFY kernelctl_desired``.
+    """
+
+    __tablename__ = "desired_generation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class Activation(Base):
     """History of which version was active on which node when (answers "what ran on N at T")."""
 

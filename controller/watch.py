@@ -1,0 +1,311 @@
+"""Push of desired state to agents: the per-replica hub behind ``POST /v1/agents/heartbeat``.
+
+Every replica (leader or not) keeps the latest :class:`~controller.desired_cache.Snapshot` of the fleet's
+desired state and serves heartbeats from it:
+
+* **Fast path** (nothing to write but liveness): the reply comes from the snapshot (memoised per stratum and
+  assignment) and the node's liveness goes into a buffer that one statement per flush writes
+  (``liveness_flush_seconds``): no transaction per heartbeat.
+* **Slow path** (the node reports another version active or staged, a phase moves, a stale node is back, an
+  inventory, a node the snapshot does not know yet): the full ``registry.heartbeat`` transaction, in a worker
+  thread; at most ``max_pending_writes`` of them wait at once, more are answered 503 with ``Retry-After``.
+* **Watch** (long-poll): a heartbeat carrying the ``generation`` it last applied and ``wait_seconds`` is held
+  until the node's desired state changes or the wait ends, so a rollback reaches every waiting canary in one
+  round trip. The snapshot is reloaded when the generation moves: PostgreSQL ``LISTEN kernelctl_desired``
+  (every replica), the commit hook of this process (SQLite, and the local fast path), and a poll of the
+  counter every ``watch_poll_seconds`` as a safety net. Reloads are coalesced (at most one per
+  ``watch_min_reload_seconds``); after each, only the waiters whose desired state changed are woken.
+
+A node's per-replica generation is the snapshot generation at which its desired state last changed here; a
+request whose ``generation`` is newer than this replica's snapshot waits for the reload first, so an agent
+never sees an older desired state after a newer one (no flapping between replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import bindparam, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.desired_cache import (
+    CHANNEL,
+    LAST_GENERATION,
+    NodeView,
+    Snapshot,
+    load_snapshot,
+    read_generation,
+)
+from controller.errors import KernelctlError
+from kernelctl import wire
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(KernelctlError):
+    """Too many writes wait already: the client retries after ``retry_after`` seconds (503)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+PG_LIVENESS = text(
+    "UPDATE nodes SET last_heartbeat_at = GREATEST(nodes.last_heartbeat_at, v.at) "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:ats AS timestamptz[])) AS v(id, at) WHERE nodes.id = v.id")
+SQLITE_LIVENESS = text("UPDATE nodes SET last_heartbeat_at = :at WHERE id = :id AND last_heartbeat_at < :at")
+
+
+class DesiredHub:
+    """One replica's snapshot, waiters, liveness buffer and reload loop (see the module docstring)."""
+
+    def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
+                 min_reload_seconds: float = 0.2, liveness_flush_seconds: float = 1.0,
+                 max_pending_writes: int = 64, metrics: Any = None) -> None:
+        self.factory = factory
+        self.url = database_url
+        self.poll_seconds = poll_seconds
+        self.min_reload_seconds = min_reload_seconds
+        self.flush_seconds = liveness_flush_seconds
+        self.max_pending_writes = max_pending_writes
+        self.metrics = metrics
+        self.snapshot = Snapshot(generation=-1)
+        self.node_gen: dict[str, int] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._reloaded = asyncio.Event()
+        self._poke = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._liveness: dict[int, dt.datetime] = {}
+        self._pending_writes = 0
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+        self._postgres = factory.kw["bind"].dialect.name == "postgresql"
+
+    # ------------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        with contextlib.suppress(Exception):  # the database may be down at start: the loop retries
+            self._install(await asyncio.to_thread(load_snapshot, self.factory))
+        self._tasks = [asyncio.create_task(self._reload_loop(), name="desired-reload"),
+                       asyncio.create_task(self._flush_loop(), name="liveness-flush")]
+        if self._postgres:
+            self._listener = threading.Thread(target=self._listen, name="desired-listen", daemon=True)
+            self._listener.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.flush_liveness)
+        for events in self._waiters.values():
+            for ev in events:
+                ev.set()
+
+    def poke(self, generation: int | None = None) -> None:
+        """Ask for a reload (thread-safe): a commit here, a NOTIFY, or a request that is ahead of us."""
+        if generation is not None and generation <= self.snapshot.generation:
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._poke.set)
+
+    # ------------------------------------------------------------------------------- reloads
+    async def _reload_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), self.poll_seconds)
+            self._poke.clear()
+            started = time.perf_counter()
+            try:
+                snap = await asyncio.to_thread(self._load_if_newer)
+            except Exception as exc:  # database down: keep serving the last snapshot, retry on the next poll
+                log.warning("desired-state reload failed: %s", str(exc).splitlines()[0] if str(exc) else exc)
+                snap = None
+            if snap is not None:
+                self._install(snap)
+                if self.metrics is not None:
+                    self.metrics.desired_reload.observe(time.perf_counter() - started)
+            await asyncio.sleep(self.min_reload_seconds)
+
+    def _load_if_newer(self) -> Snapshot | None:
+        with self.factory() as session:
+            gen = read_generation(session)
+            session.rollback()
+        if gen == self.snapshot.generation:
+            return None
+        return load_snapshot(self.factory)
+
+    def _install(self, snap: Snapshot) -> None:
+        old = self.snapshot
+        if snap.generation <= old.generation and old.generation >= 0:
+            return
+        changed: list[str] = []
+        for name, node in snap.nodes.items():
+            prev = old.nodes.get(name)
+            if prev is None or prev.key != node.key or prev.state != node.state or name not in self.node_gen:
+                self.node_gen[name] = snap.generation
+                changed.append(name)
+        self.snapshot = snap
+        for name in changed:
+            for ev in self._waiters.get(name, ()):
+                ev.set()
+        self._reloaded.set()
+        self._reloaded = asyncio.Event()
+
+    async def at_least(self, generation: int, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until this replica's snapshot is at ``generation`` or newer."""
+        deadline = time.monotonic() + timeout
+        while self.snapshot.generation < generation:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._poke.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reloaded.wait(), left)
+        return True
+
+    def _listen(self) -> None:
+        """LISTEN kernelctl_desired on a dedicated connection (PostgreSQL); reconnects with backoff."""
+        import psycopg
+
+        from controller.leader import _conninfo
+
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(_conninfo(self.url), autocommit=True, connect_timeout=5,
+                                     application_name="kernelctl-watch") as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    backoff = 0.5
+                    self.poke()  # anything committed while we were not listening
+                    while not self._stop.is_set():
+                        for n in conn.notifies(timeout=1.0, stop_after=1):
+                            with contextlib.suppress(ValueError):
+                                self.poke(int(n.payload))
+            except Exception as exc:
+                log.warning("desired-state LISTEN connection lost (%s); retrying in %.1fs",
+                            str(exc).splitlines()[0] if str(exc) else exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    # ------------------------------------------------------------------------------- liveness
+    def note_alive(self, node_id: int, at: dt.datetime) -> None:
+        self._liveness[node_id] = at
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_seconds)
+            try:
+                await asyncio.to_thread(self.flush_liveness)
+            except Exception as exc:  # kept for the next flush
+                log.warning("liveness flush failed (kept): %s", str(exc).splitlines()[0] if str(exc) else exc)
+
+    def flush_liveness(self) -> int:
+        """Write the buffered heartbeat times: one statement (PostgreSQL) or one executemany (SQLite)."""
+        batch, self._liveness = self._liveness, {}
+        if not batch:
+            return 0
+        try:
+            with self.factory() as session:
+                if self._postgres:
+                    session.execute(PG_LIVENESS, {"ids": list(batch), "ats": list(batch.values())})
+                else:
+                    session.execute(SQLITE_LIVENESS.bindparams(bindparam("at"), bindparam("id")),
+                                    [{"id": k, "at": v} for k, v in batch.items()])
+                session.commit()
+        except Exception:
+            for k, v in batch.items():  # newer times that arrived meanwhile win
+                if k not in self._liveness:
+                    self._liveness[k] = v
+            raise
+        if self.metrics is not None:
+            self.metrics.liveness_flushed.inc(len(batch))
+        return len(batch)
+
+    # ------------------------------------------------------------------------------- heartbeats
+    def node(self, name: str) -> NodeView | None:
+        return self.snapshot.nodes.get(name)
+
+    def retry_after(self) -> float:
+        return round(1.0 + 4.0 * random.random(), 1)
+
+    async def slow(self, fn: Any, *args: Any) -> Any:
+        """Run a write in a worker thread, refusing with 503 + Retry-After when too many already wait."""
+        if self._pending_writes >= self.max_pending_writes:
+            if self.metrics is not None:
+                self.metrics.overload.labels("writes").inc()
+            raise Overloaded(f"controller busy: {self._pending_writes} writes waiting; retry later",
+                             self.retry_after())
+        self._pending_writes += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self._pending_writes -= 1
+
+    async def heartbeat(self, req: wire.HeartbeatRequest, *, heartbeat_seconds: float,
+                        slow_path: Any) -> tuple[wire.HeartbeatResponse, float, str]:
+        """Answer one heartbeat (see the module docstring); returns the reply, the seconds spent holding it and
+        the path ("fast": from the snapshot, "slow": a transaction).
+
+        ``slow_path(req) -> (HeartbeatResponse, generation)`` runs the full transaction (in a thread).
+        """
+        if req.generation is not None and req.generation > self.snapshot.generation:
+            await self.at_least(req.generation, 5.0)  # another replica is ahead: catch up first
+        held = 0.0
+        deadline = time.monotonic() + min(req.wait_seconds, 600.0)
+        while True:
+            snap = self.snapshot
+            node = snap.nodes.get(req.node_name)
+            if node is None or snap.generation < (req.generation or 0) or not snap.fast_path(node, req):
+                reply, gen = await self.slow(slow_path, req)
+                return reply.model_copy(update={"generation": gen}), held, "slow"
+            mine = self.node_gen.get(req.node_name, snap.generation)
+            left = deadline - time.monotonic()
+            if req.generation is None or req.generation < mine or left <= 0:
+                now = dt.datetime.now(dt.timezone.utc)
+                self.note_alive(node.id, now)
+                return wire.HeartbeatResponse.model_construct(
+                    node_name=req.node_name, desired=snap.desired(node), heartbeat_seconds=heartbeat_seconds,
+                    server_time=now, generation=mine), held, "fast"
+            self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))  # liveness while it waits
+            ev = asyncio.Event()
+            self._waiters.setdefault(req.node_name, set()).add(ev)
+            t0 = time.monotonic()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), left)
+            finally:
+                held += time.monotonic() - t0
+                waiters = self._waiters.get(req.node_name)
+                if waiters is not None:
+                    waiters.discard(ev)
+                    if not waiters:
+                        del self._waiters[req.node_name]
+            if self._stop.is_set():
+                deadline = 0.0
+
+
+def slow_heartbeat(factory: sessionmaker[Session], req: wire.HeartbeatRequest,
+                   heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int]:
+    """``registry.heartbeat`` in one transaction; returns the reply and a generation that covers it."""
+    from controller.db.engine import session_scope
+    from controller.registry import heartbeat
+
+    with session_scope(factory) as session:
+        reply = heartbeat(session, req, dt.datetime.now(dt.timezone.utc), heartbeat_seconds=heartbeat_seconds)
+        session.info.pop(LAST_GENERATION, None)
+        gen = read_generation(session)  # read last: every commit the reply saw is at or below it
+    return reply, max(gen, int(session.info.get(LAST_GENERATION) or 0))
