@@ -1,6 +1,7 @@
 """HTTP client of the agent: register, heartbeat, bundle download, report batches (httpx + tenacity).
 
-Retries (exponential backoff with jitter, tenacity) only on connect errors and 5xx answers; any other
+Retries (exponential backoff with jitter, tenacity) only on connect errors, 429 and 5xx answers (never sooner
+than the controller's ``Retry-After``, with jitter on top); any other
 error is raised at once as :class:`ControllerError` with the controller's ``detail``. The node token the
 controller hands out at registration is persisted (mode 0600, atomic write) in the cache dir and used from
 then on; the enrollment token is only needed again if the controller no longer knows the node token.
@@ -13,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+import random
 import tempfile
 import threading
 from collections.abc import Callable
@@ -67,14 +69,37 @@ class DownloadError(ControllerError):
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return True
-    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
+    return isinstance(exc, httpx.HTTPStatusError) and (exc.response.status_code >= 500
+                                                       or exc.response.status_code == 429)
+
+
+MAX_RETRY_AFTER_S = 60.0
+
+
+def retry_after_seconds(exc: BaseException | None) -> float:
+    """The ``Retry-After`` (seconds) of an overloaded controller's 429/503 answer; 0 when absent."""
+    if not isinstance(exc, httpx.HTTPStatusError):
+        return 0.0
+    try:
+        return min(MAX_RETRY_AFTER_S, max(0.0, float(exc.response.headers.get("retry-after", "0"))))
+    except ValueError:
+        return 0.0
 
 
 def _backoff(initial: float, maximum: float) -> Any:
-    """Exponential backoff from ``initial`` doubling up to ``maximum``, plus up to ``initial`` of jitter."""
+    """Exponential backoff from ``initial`` doubling up to ``maximum``, plus up to ``initial`` of jitter; never
+    sooner than the controller's ``Retry-After`` (plus up to half of it again as jitter, so that a fleet told
+    to come back in 2 s does not come back in the same instant)."""
     params = inspect.signature(wait_exponential_jitter.__init__).parameters
     start = {"multiplier": initial} if "multiplier" in params else {"initial": initial}  # tenacity >= 9.1
-    return wait_exponential_jitter(**start, max=maximum, jitter=initial)
+    base = wait_exponential_jitter(**start, max=maximum, jitter=initial)
+
+    def wait(retry_state: Any) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        after = retry_after_seconds(exc)
+        return max(base(retry_state), after * (1.0 + 0.5 * random.random()))
+
+    return wait
 
 
 def _detail(resp: httpx.Response) -> str:
@@ -140,6 +165,7 @@ class ControllerClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
+        self.timeout = timeout
         self._stop = stop_event or threading.Event()
         self._retry_kwargs: dict[str, Any] = {
             "retry": retry_if_exception(_retryable),
@@ -173,7 +199,7 @@ class ControllerClient:
     def _call(self, fn: Callable[[], httpx.Response]) -> httpx.Response:
         def attempt() -> httpx.Response:
             resp = fn()
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 or resp.status_code == 429:
                 resp.raise_for_status()
             return resp
 
@@ -197,10 +223,11 @@ class ControllerClient:
             )
         return resp
 
-    def _post(self, path: str, body: BaseModel, model: type[T]) -> T:
+    def _post(self, path: str, body: BaseModel, model: type[T], timeout: float | None = None) -> T:
         payload = body.model_dump_json().encode()
         headers = {**self._headers(), "Content-Type": "application/json"}
-        resp = self._call(lambda: self._http.post(API_PREFIX + path, content=payload, headers=headers))
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        resp = self._call(lambda: self._http.post(API_PREFIX + path, content=payload, headers=headers, **kw))
         return model.model_validate_json(resp.content)
 
     # API ---------------------------------------------------------------------------------------------
@@ -211,7 +238,9 @@ class ControllerClient:
         return reply
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
-        return self._post("/agents/heartbeat", request, HeartbeatResponse)
+        """A heartbeat; with ``wait_seconds`` it is a watch the controller may hold that long."""
+        timeout = None if not request.wait_seconds else request.wait_seconds + self.timeout
+        return self._post("/agents/heartbeat", request, HeartbeatResponse, timeout=timeout)
 
     def send_reports(self, node_name: str, reports: list[TrialReport]) -> ReportBatchResponse:
         return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=reports), ReportBatchResponse)

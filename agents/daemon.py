@@ -1,12 +1,15 @@
 """The agent's main loop: register, heartbeat, apply the desired state, run trials, flush the outbox.
 
-One main thread heartbeats every ``heartbeat_seconds`` (it blocks in ``Event.wait`` in between: no busy
-loop), downloads + verifies + stages missing versions, switches the published active version atomically (a
-rollback is a switch to the staged stable, at once) and flushes the report outbox. Trial before serve: the
-controller names a canary's candidate as the active version only after it accepted this node's
-hard-gates-passed trial report, so the agent heartbeats again at once after a report was acknowledged while
-a candidate waits (the switch follows within one round trip) and after every switch (the controller learns
-what serves). Trials run one at a time in a helper thread that owns the trial child; the duty cycle and
+A watch thread keeps one heartbeat open at a time: it sends the generation of the desired state it applied
+and the controller holds the request until that changes (a rollback arrives in one round trip) or for
+``heartbeat_seconds``; it downloads + verifies + stages missing versions, switches the published active
+version atomically (a rollback is a switch to the staged stable, at once) and flushes the report outbox.
+The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox and starts trials when a
+trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
+the active version only after it accepted this node's hard-gates-passed trial report; that bumps the
+generation, so the watch returns with the switch; after every switch the next heartbeat goes at once (the
+controller learns what serves). Overload (429/503 with ``Retry-After``) is retried with backoff and jitter;
+reports stay in the outbox meanwhile. Trials run one at a time in a helper thread that owns the trial child; the duty cycle and
 the memory headroom are checked before a trial starts. SIGTERM (``request_stop``) kills a running trial's
 process group, keeps the outbox and ends the loop; a restarted agent resumes from its cache dir (node token,
 outbox, staged bundles, last trial).
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -108,6 +112,8 @@ class Agent:
         self._lock = threading.Lock()
         self.metrics_port: int | None = None
         self._last_heartbeat_ok = -1e18
+        self.generation: int | None = None  # of the last desired state applied (the watch sends it back)
+        self._report_now = False
 
     # ------------------------------------------------------------------------------------ control
     def request_stop(self, *_: object) -> None:
@@ -154,17 +160,40 @@ class Agent:
         self.outbox.set_state("trial_child", None)
 
     def run(self) -> int:
-        """Run until stopped; returns the process exit code (0 on a requested stop)."""
+        """Run until stopped; returns the process exit code (0 on a requested stop).
+
+        The watch thread holds one heartbeat open at a time (the controller answers when the desired state
+        changes, or after ``heartbeat_seconds``) and applies each reply; this thread flushes the outbox and
+        starts trials when woken (a trial finished) or every ``heartbeat_seconds``.
+        """
         try:
             self.setup()
             self._register()
+            watcher = threading.Thread(target=self._watch_loop, name="watch", daemon=True)
+            watcher.start()
             while not self.stop_event.is_set():
-                self.tick()
                 self._wake.wait(self.heartbeat_seconds)
                 self._wake.clear()
+                if self.stop_event.is_set() or self.client is None:
+                    continue
+                with self._lock:
+                    self._flush()
+                    if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
+                        self._maybe_trial()
             return 0
         finally:
             self.shutdown()
+
+    def _watch_loop(self) -> None:
+        """Heartbeat after heartbeat; after a failure wait about one period (with jitter) before the next."""
+        while not self.stop_event.is_set():
+            try:
+                ok = self.tick()
+            except Exception:  # never let the watch thread die: the controller or the network misbehaved
+                log.exception("heartbeat round failed")
+                ok = False
+            if not ok:
+                self.stop_event.wait(self.heartbeat_seconds * (0.5 + random.random()))
 
     def shutdown(self) -> None:
         self.stop_event.set()
@@ -220,30 +249,38 @@ class Agent:
             self.stop_event.wait(REGISTER_RETRY_S)
 
     # --------------------------------------------------------------------------------------- tick
-    def tick(self) -> None:
-        """One heartbeat round: heartbeat, apply desired state, maybe start a trial, flush reports."""
-        assert self.client is not None
+    def tick(self) -> bool:
+        """One heartbeat round: heartbeat (a watch once the controller gave a generation), apply the desired
+        state, flush reports, maybe start a trial. Returns whether the controller answered."""
+        client = self.client
+        assert client is not None
         try:
-            reply = self.client.heartbeat(self._heartbeat_request())
+            reply = client.heartbeat(self._heartbeat_request())
         except ControllerError as exc:
+            if self.stop_event.is_set():
+                return False
             self.metrics.heartbeat_failures.inc()
             log.warning("heartbeat failed: %s", exc)
-            if exc.status == 401 and not self.stop_event.is_set():
-                self.client.close()
-                self.client = None
-                self._register()
-            self._flush()
-            if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
-                self._maybe_trial()  # keep measuring what was asked; reports wait in the outbox
-            return
-        self._last_heartbeat_ok = time.monotonic()
-        self.heartbeat_seconds = reply.heartbeat_seconds
-        self.desired = list(reply.desired)
-        switched = self._apply(self.desired)
-        flushed = self._flush()
-        if switched or (flushed and self._awaiting_serve()):
-            self._wake.set()  # report the switch / fetch the verdict on a pre-serve trial now
-        self._maybe_trial()
+            with self._lock:
+                if exc.status == 401 and not self.stop_event.is_set():
+                    client.close()
+                    self.client = None
+                    self._register()
+                self._flush()
+                if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
+                    self._maybe_trial()  # keep measuring what was asked; reports wait in the outbox
+            return False
+        with self._lock:
+            self._last_heartbeat_ok = time.monotonic()
+            self.heartbeat_seconds = reply.heartbeat_seconds
+            self.generation = reply.generation
+            self.desired = list(reply.desired)
+            switched = self._apply(self.desired)
+            flushed = self._flush()
+            # the next heartbeat reports the switch at once; an old controller (no generation) is polled
+            self._report_now = switched or (reply.generation is None and flushed > 0 and self._awaiting_serve())
+            self._maybe_trial()
+        return True
 
     def _awaiting_serve(self) -> bool:
         """A candidate is staged for its pre-serve trial: it is desired, but not (yet) the active version."""
@@ -257,9 +294,12 @@ class Agent:
                 if ref.digest not in seen and self.cache.has(ref):
                     seen.add(ref.digest)
                     staged.append(ref)
+        watch = self.generation is not None and not self._report_now
+        self._report_now = False
         return HeartbeatRequest(
             node_name=self.cfg.node_name, staged=staged[:64], active=list(self.active.values())[:64],
-            trial_running=self._trial is not None,
+            trial_running=self._trial is not None, generation=self.generation,
+            wait_seconds=self.heartbeat_seconds if watch else 0.0,
         )
 
     @staticmethod
