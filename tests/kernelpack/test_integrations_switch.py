@@ -71,17 +71,21 @@ def test_eager_decode_loop_follows_a_switch_and_a_rollback(serving: Serving) -> 
 
     try:
         steps_after(0, 3)
+        # A step that overlaps a publication in progress may run either version: the bound counts from the
+        # moment the publication returned, and such steps belong to neither window.
+        t_publishing = time.monotonic()
         serving.publish("0.2.0")  # the agent widens the canary to this node
         t_switch = time.monotonic()
         steps_after(t_switch, 3)
+        t_rolling_back = time.monotonic()
         serving.publish("0.1.0", stable=None)  # rollback
         t_back = time.monotonic()
         steps_after(t_back, 3)
     finally:
         stop.set()
         th.join()
-    before = [v for t0, _, v in log if t0 < t_switch]
-    during = [v for t0, _, v in log if t_switch < t0 < t_back]
+    before = [v for _, end, v in log if end < t_publishing]
+    during = [v for t0, end, v in log if t_switch < t0 and end < t_rolling_back]
     after = [v for t0, _, v in log if t0 > t_back]
     assert set(before) == {"serve@0.1.0"}
     assert during and set(during) == {"serve@0.2.0"}, during
