@@ -86,12 +86,9 @@ class LocalFleet:
         return {"delivered": counts.get(DELIVERED, 0), "failed": counts.get(FAILED, 0)}
 
     def generate_key(self) -> Path:
-        from kernelpack.signing import generate_keypair
+        from kernelpack.scaffold import signing_keys
 
-        pair = generate_keypair(self.keys_dir)
-        self.trusted_dir.mkdir(parents=True, exist_ok=True)
-        (self.trusted_dir / pair.public_path.name).write_bytes(pair.public_path.read_bytes())
-        return pair.private_path
+        return signing_keys(self.keys_dir, trusted=self.trusted_dir).pair.private_path
 
     def build_bundles(self, versions: list[str], key: Path, *, name: str = "llm-fused",
                       on_built: Callable[[str], None] | None = None,

@@ -213,33 +213,12 @@ def build_test_bundles(root: Path, versions: tuple[str, ...] = ("1.0.0", "1.1.0"
 
     The AOT compile is cached in kernelpack's default cache, so only the first run of a machine is slow.
     """
-    import triton
+    from kernelpack.scaffold import build_signed
 
-    from kernelpack.build import build_bundle
-    from kernelpack.signing import generate_keypair
-
-    root.mkdir(parents=True, exist_ok=True)
-    key = generate_keypair(root / "keys")
-    trusted = root / "trusted"
-    trusted.mkdir(exist_ok=True)
-    (trusted / key.public_path.name).write_bytes(key.public_path.read_bytes())
-    files: dict[str, Path] = {}
-    for version in versions:
-        src = root / f"src-{version}"
-        src.mkdir(exist_ok=True)
-        arch_list = ", ".join(f'"{a}"' for a in archs)
-        (src / "bundle.toml").write_text(
-            f'schema_version = 1\nname = "{TEST_BUNDLE_NAME}"\nversion = "{version}"\n'
-            f'note = "controller test bundle {version}"\n\n'
-            f'[targets]\narchs = [{arch_list}]\nmin_driver = "535"\ncuda = ["12.x", "13.x"]\n'
-            f'triton = "{triton.__version__}"\ntorch = ">=2.9,<2.15"\n\n'
-            '[traffic]\ndecode_batch_sizes = [1, 8]\nprefill_tokens = [64]\n\n'
-            '[[kernels]]\nop = "bias_gelu"\nsource = "kernelpack.kernels.bias_gelu"\n'
-        )
-        out = root / f"{TEST_BUNDLE_NAME}-{version}.kpack"
-        build_bundle(src, out, key.private_path)
-        files[version] = out
-    return TestBundles(root, trusted, key.private_path, files)
+    made = build_signed(root, TEST_BUNDLE_NAME, versions, kernels={"bias_gelu": "kernelpack.kernels.bias_gelu"},
+                        archs=archs, cuda=["12.x", "13.x"], decode_batch_sizes=[1, 8], prefill_tokens=[64],
+                        note="controller test bundle")
+    return TestBundles(root, made.trusted, made.private_key, made.files)
 
 
 def inventory(arch: str = "sm_90", *, driver: str = "550.54.15", triton_version: str = "3.6.0",

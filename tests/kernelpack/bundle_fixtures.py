@@ -19,37 +19,15 @@ import pytest
 
 from kernelpack.aot import default_cache_dir
 from kernelpack.build import BuildResult, build_bundle
-from kernelpack.signing import KeyPair, generate_keypair
+from kernelpack.scaffold import signing_keys, write_source
+from kernelpack.signing import KeyPair
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLES = REPO / "kernelpack" / "bundles" / "llm-fused"
 FAULTS = ("drift", "slow", "oom", "crash")
 SHIPPED = ("1.0.0", "1.1.0", *(f"1.2.0-fault.{f}" for f in FAULTS))
 
-TINY_TOML = """\
-schema_version = 1
-name = "{name}"
-version = "{version}"
-note = "tiny test bundle"
-
-[targets]
-archs = ["sm_90"]
-min_driver = "535"
-cuda = ["12.x"]
-triton = "3.6.0"
-torch = ">=2.9,<2.15"
-
-[traffic]
-decode_batch_sizes = [1, 8]
-prefill_tokens = [2048]
-
-[[kernels]]
-op = "bias_gelu"
-source = "{source}"
-[kernels.configs]
-default = {{}}
-sm_90 = {{ BLOCK_M = 2, BLOCK_N = 64 }}
-"""
+TINY_CONFIGS = {"bias_gelu": {"default": {}, "sm_90": {"BLOCK_M": 2, "BLOCK_N": 64}}}
 
 
 @dataclass(frozen=True)
@@ -59,11 +37,8 @@ class Keys:
 
 
 def make_keys(root: Path) -> Keys:
-    pair = generate_keypair(root / "private")
-    trusted = root / "trusted"
-    trusted.mkdir(parents=True)
-    (trusted / pair.public_path.name).write_bytes(pair.public_path.read_bytes())
-    return Keys(pair, trusted)
+    made = signing_keys(root / "private", trusted=root / "trusted")
+    return Keys(made.pair, made.trusted)
 
 
 def write_tiny_src(root: Path, *, name: str = "tiny", version: str = "0.1.0", marker: bool = False) -> Path:
@@ -86,8 +61,8 @@ def write_tiny_src(root: Path, *, name: str = "tiny", version: str = "0.1.0", ma
         assert future in body
         (root / "kernels" / "bias_gelu_marker.py").write_text(body.replace(future, future + head, 1))
         source = "kernels/bias_gelu_marker.py"
-    (root / "bundle.toml").write_text(TINY_TOML.format(name=name, version=version, source=source))
-    return root
+    return write_source(root, name, version, kernels={"bias_gelu": source}, note="tiny test bundle", triton="3.6.0",
+                        prefill_tokens=[2048], configs=TINY_CONFIGS)
 
 
 @pytest.fixture(scope="session")

@@ -16,33 +16,15 @@ import pytest
 from kernelpack import torch_ops
 from kernelpack.build import BuildResult, build_bundle
 from kernelpack.runtime import Runtime, publish_active
+from kernelpack.scaffold import write_source
 from tests.kernelpack.bundle_fixtures import Keys
 
-SERVE_TOML = """\
-schema_version = 1
-name = "serve"
-version = "{version}"
-note = "serving test bundle"
-
-[targets]
-archs = ["sm_90"]
-min_driver = "535"
-cuda = ["12.x", "13.x"]
-triton = "3.6.0"
-torch = ">=2.9,<2.15"
-
-[traffic]
-decode_batch_sizes = [1, 8]
-prefill_tokens = [16]
-{kernels}"""
 OPS = ("add_rmsnorm", "swiglu", "rope", "flash_attn")
 
 
 def write_serve_src(root: Path, version: str) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    kernels = "".join(f'\n[[kernels]]\nop = "{op}"\nsource = "kernelpack.kernels.{op}"\n' for op in OPS)
-    (root / "bundle.toml").write_text(SERVE_TOML.format(version=version, kernels=kernels))
-    return root
+    return write_source(root, "serve", version, kernels={op: f"kernelpack.kernels.{op}" for op in OPS},
+                        note="serving test bundle", cuda=["12.x", "13.x"], triton="3.6.0", prefill_tokens=[16])
 
 
 @pytest.fixture(scope="session")

@@ -110,24 +110,6 @@ def test_bench_op_result():
     assert json.loads(json.dumps(dataclasses.asdict(res)))["launches_per_call"] == 1
 
 
-BUNDLE_TOML = """schema_version = 1
-name = "harness-bench-test"
-version = "1.0.0"
-note = "bundle bench CLI test"
-[targets]
-archs = ["sm_90"]
-min_driver = "535"
-cuda = ["12.x"]
-triton = "3.6.0"
-torch = ">=2.9,<2.15"
-[traffic]
-decode_batch_sizes = [1]
-prefill_tokens = [128]
-[[kernels]]
-op = "scale"
-source = "kernels/scale.py"
-"""
-
 # A bundle-local op with a single dtype, so building the test bundle compiles one AOT kernel.
 SCALE_PY = '''"""y = 3 * x (fp32 only): the smallest real bundle op."""
 
@@ -172,19 +154,15 @@ OP = KernelOp(
 
 @pytest.fixture(scope="module")
 def built_bundle(tmp_path_factory):
-    import shutil
-
     from kernelpack.build import build_bundle
-    from kernelpack.signing import generate_keypair
+    from kernelpack.scaffold import signing_keys, write_source
 
     d = tmp_path_factory.mktemp("bench_cli")
-    (d / "src").mkdir()
-    (d / "src" / "bundle.toml").write_text(BUNDLE_TOML)
+    write_source(d / "src", "harness-bench-test", "1.0.0", kernels={"scale": "kernels/scale.py"},
+                 note="bundle bench CLI test", triton="3.6.0", decode_batch_sizes=[1], prefill_tokens=[128])
     (d / "src" / "kernels").mkdir()
     (d / "src" / "kernels" / "scale.py").write_text(SCALE_PY)
-    kp = generate_keypair(d / "keys")
-    (d / "trusted").mkdir()
-    shutil.copy(kp.public_path, d / "trusted")
+    kp = signing_keys(d / "keys", trusted=d / "trusted").pair
     (d / "empty").mkdir()
     res = build_bundle(d / "src", d / "b.kpack", kp.private_path, cache_dir=d / "cache")
     return d, res.path
