@@ -124,14 +124,15 @@ def collect_sources(src_dir: Path, source: BundleSource) -> tuple[dict[str, byte
         data = path.read_bytes()
         add(f"kernels/{k.op}.py", data, k.source)
         deps[k.op] = {f"kernels/{k.op}.py"}
-        todo = list(_check_imports(k.source, data))
+        # (sibling, folder of the module importing it): an installed module's siblings are installed modules
+        todo = [(sib, base) for sib in _check_imports(k.source, data)]
         seen: set[str] = set()
         while todo:
-            sib = todo.pop()
+            sib, where = todo.pop()
             if sib in seen:
                 continue
             seen.add(sib)
-            sp = base / f"{sib}.py"
+            sp = where / f"{sib}.py"
             if not sp.is_file() and sib.startswith(STABLE_PREFIX):
                 # ``from . import stable_<op>``: the installed op module's source, bundled (and signed) under
                 # that name, so a small module can reuse the stable op and override only what it changes
@@ -141,7 +142,7 @@ def collect_sources(src_dir: Path, source: BundleSource) -> tuple[dict[str, byte
             sdata = sp.read_bytes()
             add(f"kernels/{sib}.py", sdata, str(sp))
             deps[k.op].add(f"kernels/{sib}.py")
-            todo.extend(_check_imports(str(sp), sdata))
+            todo.extend((s, sp.parent) for s in _check_imports(str(sp), sdata))
     return files, deps
 
 

@@ -1,13 +1,16 @@
 """Fused bias add + GELU, exact erf form: ``y = gelu(x + bias)`` over a (tokens, hidden) activation.
 
 Owns op ``bias_gelu``: its Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
-The tanh approximation is the separate op ``bias_gelu_tanh`` (module ``bias_gelu_tanh``). Self-contained:
-bundle modules import only stdlib, torch, triton and ``kernelpack.kernels.spec``.
+The tanh approximation is the separate op ``bias_gelu_tanh`` (module ``bias_gelu_tanh``), which reuses this
+module's host code, domain and shapes through :func:`make_op` and differs only in its kernel and references.
+Bundle modules import only stdlib, torch, triton, ``kernelpack.kernels.spec`` and their bundle's siblings.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -25,6 +28,8 @@ from kernelpack.kernels.spec import (
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "bias_gelu"
@@ -53,27 +58,61 @@ def _bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, B
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+def make_op(name: str, kernel: Any, reference: Callable[[Inputs], Outputs], eager: Callable[[Inputs], Outputs], *,
+            description: str, form: str, tolerances: dict[str, Tolerance]) -> KernelOp:
+    """A bias + GELU op around ``kernel`` (a ``(x, b, y, n_rows, n_cols, BLOCK_M, BLOCK_N)`` Triton kernel): the
+    host code, domain, shapes and launch configs both GELU forms share (``bias_gelu_tanh`` reuses this)."""
 
+    def shape_of(inputs: Inputs) -> Shape:
+        x, b = inputs["x"], inputs["bias"]
+        if x.dim() != 2:
+            raise DomainError(f"{name}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+        if b.shape != (x.shape[1],):
+            raise DomainError(f"{name}: bias must have shape ({x.shape[1]},) to match x, got {tuple(b.shape)}")
+        if b.dtype != x.dtype or b.device != x.device:
+            raise DomainError(f"{name}: bias ({b.dtype}, {b.device}) must match x ({x.dtype}, {x.device})")
+        return {"tokens": x.shape[0], "hidden": x.shape[1]}
 
-def shape_of(inputs: Inputs) -> Shape:
-    x, b = inputs["x"], inputs["bias"]
-    if x.dim() != 2:
-        raise DomainError(f"{NAME}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
-    if b.shape != (x.shape[1],):
-        raise DomainError(f"{NAME}: bias must have shape ({x.shape[1]},) to match x, got {tuple(b.shape)}")
-    if b.dtype != x.dtype or b.device != x.device:
-        raise DomainError(f"{NAME}: bias ({b.dtype}, {b.device}) must match x ({x.dtype}, {x.device})")
-    return {"tokens": x.shape[0], "hidden": x.shape[1]}
+    domain = Domain(
+        dtypes=("fp16", "bf16", "fp32"),
+        dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 65536, 8)},
+        notes=f"x (tokens, hidden) and bias (hidden,) of one dtype, contiguous; hidden a multiple of 8 "
+        f"(16-byte rows); {form}.",
+    )
+
+    def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+        cfg = launch_config(name, DEFAULT_CONFIG, config)
+        x, b = inputs["x"], inputs["bias"]
+        domain.check(x.dtype, shape_of(inputs), inputs)
+        (y,) = outs
+        if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
+            raise ValueError(f"{name}: output must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+        t, h = x.shape
+        bm = min(cfg["BLOCK_M"], triton.next_power_of_2(t))  # BLOCK_M is an upper bound: few tokens, short tiles
+        grid = (triton.cdiv(t, bm), triton.cdiv(h, cfg["BLOCK_N"]))
+        kernel[grid](
+            x, b, y, t, h, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+        cfg = launch_config(name, DEFAULT_CONFIG, config)
+        p = TRITON_DTYPES[dtype]
+        sig = {"x_ptr": p, "b_ptr": p, "y_ptr": p, "n_rows": "i32", "n_cols": "i32",
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+        return [AotSpec(kernel, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])]
+
+    return module_op(
+        {"NAME": name, "DOMAIN": domain, "DEFAULT_CONFIG": DEFAULT_CONFIG, "make_inputs": make_inputs,
+         "shape_of": shape_of, "alloc_outputs": alloc_outputs, "run": run, "reference": reference, "eager": eager,
+         "bytes_moved": bytes_moved, "flops": flops, "fuzz": fuzz, "aot": aot},
+        description=description,
+        tolerances=tolerances,
+        test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
+        decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
+        prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
+    )
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
@@ -85,22 +124,6 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: tor
 
 def alloc_outputs(inputs: Inputs) -> Outputs:
     return (torch.empty_like(inputs["x"]),)
-
-
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
-    cfg = _config(config)
-    x, b = inputs["x"], inputs["bias"]
-    DOMAIN.check(x.dtype, shape_of(inputs), inputs)
-    (y,) = outs
-    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"{NAME}: output must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
-    t, h = x.shape
-    bm = min(cfg["BLOCK_M"], triton.next_power_of_2(t))  # BLOCK_M is an upper bound: few tokens, short tiles
-    grid = (triton.cdiv(t, bm), triton.cdiv(h, cfg["BLOCK_N"]))
-    _bias_gelu_fwd[grid](
-        x, b, y, t, h, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
 
 
 def reference(inputs: Inputs) -> Outputs:
@@ -125,39 +148,11 @@ def fuzz(rng: random.Random) -> Shape:
     return {"tokens": rng.randint(1, 9), "hidden": 8 * rng.randint(1, 40)}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
-    cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
-    sig = {"x_ptr": p, "b_ptr": p, "y_ptr": p, "n_rows": "i32", "n_cols": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    return [AotSpec(_bias_gelu_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])]
-
-
-DOMAIN = Domain(
-    dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 65536, 8)},
-    notes="x (tokens, hidden) and bias (hidden,) of one dtype, contiguous; hidden a multiple of 8 "
-    "(16-byte rows); erf form of GELU computed in fp32 (erf to 1.5e-7 absolute, Abramowitz-Stegun 7.1.26).",
-)
-
-OP = KernelOp(
-    name=NAME,
+OP = make_op(
+    NAME, _bias_gelu_fwd, reference, eager,
     description="y = gelu_erf(x + bias), one read of x and one write of y",
-    domain=DOMAIN,
+    form="erf form of GELU computed in fp32 (erf to 1.5e-7 absolute, Abramowitz-Stegun 7.1.26)",
     tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-3, 2e-3), "bf16": Tolerance(8e-3, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
-    test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
-    decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
-    prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )
+DOMAIN = OP.domain
+shape_of, run, aot = OP.shape_of, OP.run, OP.aot

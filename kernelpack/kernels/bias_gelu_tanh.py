@@ -1,36 +1,23 @@
 """Fused bias add + GELU, tanh approximation: ``y = gelu_tanh(x + bias)`` over a (tokens, hidden) activation.
 
-Owns op ``bias_gelu_tanh``: its Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
-The exact erf form is the separate op ``bias_gelu`` (module ``bias_gelu``). Self-contained:
-bundle modules import only stdlib, torch, triton and ``kernelpack.kernels.spec``.
+Owns op ``bias_gelu_tanh``: its Triton kernel, float64 reference and eager PyTorch version. The host code,
+domain, shapes, launch configs and the bytes/flops model are those of the exact erf form, op ``bias_gelu``
+(module ``bias_gelu``, imported as a sibling: a bundle carries it along), through ``bias_gelu.make_op``.
 """
 
 from __future__ import annotations
-
-import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    KernelOp,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-)
+from kernelpack.kernels.spec import Inputs, Outputs, Tolerance
+
+from . import bias_gelu as base
 
 NAME = "bias_gelu_tanh"
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4, "num_stages": 1}
-# launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
-TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 1} for m, n, w in ((4, 1024, 4), (2, 2048, 8), (1, 4096, 8), (2, 1024, 4), (8, 512, 4), (1, 1024, 4), (1, 2048, 4), (2, 512, 4), (1, 512, 2))]
+DEFAULT_CONFIG = base.DEFAULT_CONFIG
+TUNING_SPACE = base.TUNING_SPACE  # launch configs an arch-specific tuning sweep tries; all must be correct
 
 
 @triton.jit
@@ -49,56 +36,6 @@ def _bias_gelu_tanh_fwd(x_ptr, b_ptr, y_ptr, n_rows, n_cols, BLOCK_M: tl.constex
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
-
-
-def shape_of(inputs: Inputs) -> Shape:
-    x, b = inputs["x"], inputs["bias"]
-    if x.dim() != 2:
-        raise DomainError(f"{NAME}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
-    if b.shape != (x.shape[1],):
-        raise DomainError(f"{NAME}: bias must have shape ({x.shape[1]},) to match x, got {tuple(b.shape)}")
-    if b.dtype != x.dtype or b.device != x.device:
-        raise DomainError(f"{NAME}: bias ({b.dtype}, {b.device}) must match x ({x.dtype}, {x.device})")
-    return {"tokens": x.shape[0], "hidden": x.shape[1]}
-
-
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
-    t, h = shape["tokens"], shape["hidden"]
-    x = torch.randn(t, h, generator=gen, device=gen.device) * 2.0
-    b = torch.randn(h, generator=gen, device=gen.device) * 0.5
-    return {"x": x.to(device, dtype), "bias": b.to(device, dtype)}
-
-
-def alloc_outputs(inputs: Inputs) -> Outputs:
-    return (torch.empty_like(inputs["x"]),)
-
-
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
-    cfg = _config(config)
-    x, b = inputs["x"], inputs["bias"]
-    DOMAIN.check(x.dtype, shape_of(inputs), inputs)
-    (y,) = outs
-    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"{NAME}: output must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
-    t, h = x.shape
-    bm = min(cfg["BLOCK_M"], triton.next_power_of_2(t))  # BLOCK_M is an upper bound: few tokens, short tiles
-    grid = (triton.cdiv(t, bm), triton.cdiv(h, cfg["BLOCK_N"]))
-    _bias_gelu_tanh_fwd[grid](
-        x, b, y, t, h, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
 def reference(inputs: Inputs) -> Outputs:
     h = inputs["x"].double() + inputs["bias"].double()
     u = (2.0 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)
@@ -109,52 +46,10 @@ def eager(inputs: Inputs) -> Outputs:
     return (torch.nn.functional.gelu(inputs["x"] + inputs["bias"], approximate="tanh"),)
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
-    es = torch.empty((), dtype=dtype).element_size()
-    return (2 * shape["tokens"] * shape["hidden"] + shape["hidden"]) * es
-
-
-def flops(shape: Shape) -> int:
-    return 8 * shape["tokens"] * shape["hidden"]
-
-
-def fuzz(rng: random.Random) -> Shape:
-    return {"tokens": rng.randint(1, 9), "hidden": 8 * rng.randint(1, 40)}
-
-
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
-    cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
-    sig = {"x_ptr": p, "b_ptr": p, "y_ptr": p, "n_rows": "i32", "n_cols": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    return [AotSpec(_bias_gelu_tanh_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])]
-
-
-DOMAIN = Domain(
-    dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 65536, 8)},
-    notes="x (tokens, hidden) and bias (hidden,) of one dtype, contiguous; hidden a multiple of 8 "
-    "(16-byte rows); tanh form of GELU computed in fp32 (tanh via exp).",
-)
-
-OP = KernelOp(
-    name=NAME,
+OP = base.make_op(
+    NAME, _bias_gelu_tanh_fwd, reference, eager,
     description="y = gelu_tanh(x + bias), one read of x and one write of y",
-    domain=DOMAIN,
+    form="tanh form of GELU computed in fp32 (tanh via exp)",
     tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-3, 2e-3), "bf16": Tolerance(8e-3, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
-    test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
-    decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
-    prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )
+DOMAIN = OP.domain

@@ -28,11 +28,12 @@ from kernelpack.kernels.spec import (
     Domain,
     DomainError,
     Inputs,
-    KernelOp,
     LaunchConfig,
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "flash_attn"
@@ -114,15 +115,7 @@ def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale,
 
 
 def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+    return launch_config(NAME, DEFAULT_CONFIG, config)
 
 
 def shape_of(inputs: Inputs) -> Shape:
@@ -223,19 +216,10 @@ DOMAIN = Domain(
     max_abs=1e18,
 )
 
-OP = KernelOp(
-    name=NAME,
+OP = module_op(
+    globals(),
     description="causal flash-attention forward (online softmax, no scores in memory), head_dim 64/128",
-    domain=DOMAIN,
     tolerances={"fp16": Tolerance(4e-3, 4e-3), "bf16": Tolerance(2e-2, 2e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
     test_shapes=({"batch": 1, "heads": 2, "seq": 37, "head_dim": 64},
                  {"batch": 1, "heads": 1, "seq": 200, "head_dim": 128}),
     decode_shapes=tuple({"batch": 1, "heads": 32, "seq": t, "head_dim": 128} for t in (1, 16, 64, 256)),
@@ -243,7 +227,4 @@ OP = KernelOp(
                     {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 128},
                     {"batch": 1, "heads": 32, "seq": 16384, "head_dim": 128},
                     {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 64}),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )

@@ -22,11 +22,12 @@ from kernelpack.kernels.spec import (
     Domain,
     DomainError,
     Inputs,
-    KernelOp,
     LaunchConfig,
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "fp8_quant"
@@ -63,15 +64,7 @@ def _fp8_quant_fwd(x_ptr, q_ptr, s_ptr, n_rows, n_cols, fp8_max, min_scale,
 
 
 def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+    return launch_config(NAME, DEFAULT_CONFIG, config)
 
 
 def shape_of(inputs: Inputs) -> Shape:
@@ -159,23 +152,11 @@ DOMAIN = Domain(
 )
 
 _TOL = Tolerance(2.0**-10, 2.0**-4 + 1e-4)
-OP = KernelOp(
-    name=NAME,
+OP = module_op(
+    globals(),
     description="per-token dynamic FP8 e4m3 quantization: (q, scales) with x ~= q * scales[:, None]",
-    domain=DOMAIN,
     tolerances={"fp32": _TOL, "fp16": _TOL, "bf16": _TOL},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
     test_shapes=({"tokens": 3, "hidden": 48}, {"tokens": 6, "hidden": 1040}),
     decode_shapes=tuple({"tokens": t, "hidden": 4096} for t in (1, 16, 64, 256)),
     prefill_shapes=tuple({"tokens": t, "hidden": 4096} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )

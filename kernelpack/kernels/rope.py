@@ -23,11 +23,12 @@ from kernelpack.kernels.spec import (
     Domain,
     DomainError,
     Inputs,
-    KernelOp,
     LaunchConfig,
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "rope"
@@ -66,15 +67,7 @@ def _rope_fwd(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_tokens, n_qh, n_
 
 
 def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+    return launch_config(NAME, DEFAULT_CONFIG, config)
 
 
 def shape_of(inputs: Inputs) -> Shape:
@@ -187,24 +180,12 @@ DOMAIN = Domain(
     "dtype, contiguous; NeoX rotate-half layout over the whole head_dim (no partial rotary).",
 )
 
-OP = KernelOp(
-    name=NAME,
+OP = module_op(
+    globals(),
     description="rotary embedding of q and k (rotate-half form) in one launch, out-of-place",
-    domain=DOMAIN,
     tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(2e-3, 2e-3), "bf16": Tolerance(1.6e-2, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
     test_shapes=({"tokens": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 32},
                  {"tokens": 2, "q_heads": 20, "kv_heads": 20, "head_dim": 48}),
     decode_shapes=tuple({"tokens": t, "q_heads": 32, "kv_heads": 8, "head_dim": 128} for t in (1, 16, 64, 256)),
     prefill_shapes=tuple({"tokens": t, "q_heads": 32, "kv_heads": 8, "head_dim": 128} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )

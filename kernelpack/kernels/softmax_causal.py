@@ -22,11 +22,12 @@ from kernelpack.kernels.spec import (
     Domain,
     DomainError,
     Inputs,
-    KernelOp,
     LaunchConfig,
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "softmax_causal"
@@ -54,15 +55,7 @@ def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
 
 
 def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+    return launch_config(NAME, DEFAULT_CONFIG, config)
 
 
 def shape_of(inputs: Inputs) -> Shape:
@@ -158,24 +151,12 @@ DOMAIN = Domain(
     "(a row lives in registers), bh*q*k < 2**31; scale a 0-d float32 tensor on the same device.",
 )
 
-OP = KernelOp(
-    name=NAME,
+OP = module_op(
+    globals(),
     description="y = softmax(scale * s) under an index-computed causal mask; masked scores are not read",
-    domain=DOMAIN,
     tolerances={"fp32": Tolerance(1e-6, 1e-5), "fp16": Tolerance(1e-4, 2e-3), "bf16": Tolerance(1e-3, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
     test_shapes=({"bh": 2, "q": 5, "k": 5}, {"bh": 1, "q": 3, "k": 70}),
     decode_shapes=tuple({"bh": 32, "q": t, "k": 2048} for t in (1, 16, 64, 256)),
     prefill_shapes=({"bh": 8, "q": 2048, "k": 2048}, {"bh": 2, "q": 8192, "k": 8192},
                     {"bh": 1, "q": 16384, "k": 16384}),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )

@@ -3,7 +3,10 @@
 A bundle ships op modules as *source*; the loader imports them into a private namespace. Each op module
 exposes one module-level ``OP: KernelOp`` object. This file is the stable ABI between bundle code and the
 installed kernelctl (harness, loader, runtime, agents): bundle modules may import the standard library,
-``torch``, ``triton`` and this module, nothing else (no sibling or relative imports; the build checks).
+``torch``, ``triton`` and this module, and sibling modules of their bundle relatively (``from . import x``;
+``from . import stable_<op>`` bundles the installed ``kernelpack.kernels.<op>``); nothing else (the build
+checks). Helpers every op module shares live here: :func:`launch_config` (launch-config validation) and
+:func:`module_op` (the ``KernelOp`` of a module that follows the naming convention).
 """
 
 from __future__ import annotations
@@ -139,3 +142,34 @@ class KernelOp:
         outs = self.alloc_outputs(inputs)
         self.run(inputs, outs, {**self.default_config, **(config or {})})
         return outs
+
+
+def launch_config(op: str, defaults: Mapping[str, int], config: LaunchConfig,
+                  any_int: tuple[str, ...] = ("num_stages",)) -> dict[str, int]:
+    """``defaults`` overridden by ``config``, validated: only known keys, every value a positive int and a power
+    of 2 (block sizes, warps) except the keys in ``any_int``. A bad value is a ``ValueError`` naming the op and
+    key."""
+    unknown = set(config) - set(defaults)
+    if unknown:
+        raise ValueError(f"{op}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    cfg = {**defaults, **config}
+    for k, v in cfg.items():
+        pow2 = k not in any_int
+        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"{op}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
+    return cfg
+
+
+_MODULE_FIELDS = ("make_inputs", "shape_of", "alloc_outputs", "run", "reference", "eager", "bytes_moved", "flops",
+                  "fuzz", "aot")
+
+
+def module_op(namespace: Mapping[str, Any], **fields: Any) -> KernelOp:
+    """The ``KernelOp`` of an op module from its conventional names (``NAME``, ``DOMAIN``, ``DEFAULT_CONFIG`` and
+    the functions ``make_inputs``, ``shape_of``, ``alloc_outputs``, ``run``, ``reference``, ``eager``,
+    ``bytes_moved``, ``flops``, ``fuzz``, ``aot`` where defined) plus ``fields`` (description, tolerances, shapes,
+    ...), which take precedence. Call it as ``OP = module_op(globals(), description=..., ...)``."""
+    found = {k: namespace[k] for k in _MODULE_FIELDS if k in namespace}
+    base = {"name": namespace["NAME"], "domain": namespace["DOMAIN"],
+            "default_config": namespace.get("DEFAULT_CONFIG", {})}
+    return KernelOp(**{**base, **found, **fields})

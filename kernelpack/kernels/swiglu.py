@@ -20,11 +20,12 @@ from kernelpack.kernels.spec import (
     Domain,
     DomainError,
     Inputs,
-    KernelOp,
     LaunchConfig,
     Outputs,
     Shape,
     Tolerance,
+    launch_config,
+    module_op,
 )
 
 NAME = "swiglu"
@@ -44,15 +45,7 @@ def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
+    return launch_config(NAME, DEFAULT_CONFIG, config)
 
 
 def shape_of(inputs: Inputs) -> Shape:
@@ -126,23 +119,11 @@ DOMAIN = Domain(
     notes="gate and up (tokens, hidden) of one dtype, contiguous, tokens*hidden < 2**31; hidden a multiple of 8.",
 )
 
-OP = KernelOp(
-    name=NAME,
+OP = module_op(
+    globals(),
     description="y = silu(gate) * up, one read of each input and one write",
-    domain=DOMAIN,
     tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-3, 2e-3), "bf16": Tolerance(8e-3, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
     test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
     decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
     prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
 )

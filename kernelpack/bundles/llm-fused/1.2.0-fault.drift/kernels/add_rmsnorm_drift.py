@@ -1,188 +1,26 @@
 """FAULT FIXTURE (llm-fused 1.2.0-fault.drift): add_rmsnorm with a wrong-count bug on wide rows.
 
-For hidden >= 256 the "wide-row path" divides the sum of squares by 7/8 of hidden instead of hidden (a tail
-chunk is dropped from the count), so the variance is 8/7 too large and every output of a wide row is ~6.5%
-too small: far outside the tolerance of every dtype, on GPUs and under the CPU interpreter alike. Rows with
-hidden < 256 take the correct path, so small golden shapes alone do not catch it. Never ship this.
-
-Original op: Fused residual add + RMSNorm: ``h = x + residual``; ``y = h / sqrt(mean(h^2) + eps) * weight``.
-
-Owns op ``add_rmsnorm``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
-Returns ``(y, h)``: the normalized output and the updated residual (h rounded to the input dtype, which is
-also what gets normalized, as in vLLM's fused_add_rms_norm). eps is fixed at 1e-6. Each program holds whole
-rows in registers (one read of x and residual, one write of y and h). Self-contained bundle module.
+Reuses the stable op (``stable_add_rmsnorm``: kernelpack.kernels.add_rmsnorm, bundled) and overrides only
+``run``: for hidden >= 256 the "wide-row path" normalises by a count that misses a tail chunk of hidden // 8, so
+the variance is 8/7 too large and every output of a wide row is ~6.5% too small (the stable kernel runs with
+its weight scaled by sqrt(count / hidden), which is that bug's output up to eps): far outside the tolerance of
+every dtype, on GPUs and under the CPU interpreter alike. Rows with hidden < 256 take the correct path, so
+small golden shapes alone do not catch it. Never ship this.
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
+import math
 
-import torch
-import triton
-import triton.language as tl
-
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    KernelOp,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-)
-
-NAME = "add_rmsnorm"
-EPS = 1e-6
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "num_warps": 8, "num_stages": 1}
+from . import stable_add_rmsnorm as base
 
 
-@triton.jit
-def _add_rmsnorm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n_rows, n_cols, eps,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < n_cols
-    mask = (rows[:, None] < n_rows) & cmask[None, :]
-    offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (x + r).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    # BUG (deliberate): wide rows normalise by a count that misses a tail chunk of n_cols // 8
-    count = tl.where(n_cols >= 256, n_cols - n_cols // 8, n_cols).to(tl.float32)
-    var = tl.sum(hf * hf, axis=1) / count
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = hf * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+def run(inputs, outs, config) -> None:  # type: ignore[no-untyped-def]
+    n = inputs["x"].shape[-1]
+    if n >= 256:  # BUG (deliberate): wide rows normalised by n - n // 8 instead of n
+        inputs = {**inputs, "weight": inputs["weight"] * math.sqrt((n - n // 8) / n)}
+    base.run(inputs, outs, config)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
-    for k, v in cfg.items():
-        pow2 = k != "num_stages"
-        if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"{NAME}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
-    return cfg
-
-
-def shape_of(inputs: Inputs) -> Shape:
-    x, r, w = inputs["x"], inputs["residual"], inputs["weight"]
-    if x.dim() != 2:
-        raise DomainError(f"{NAME}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
-    if r.shape != x.shape:
-        raise DomainError(f"{NAME}: residual shape {tuple(r.shape)} must equal x shape {tuple(x.shape)}")
-    if w.shape != (x.shape[1],):
-        raise DomainError(f"{NAME}: weight must have shape ({x.shape[1]},), got {tuple(w.shape)}")
-    for name, t in (("residual", r), ("weight", w)):
-        if t.dtype != x.dtype or t.device != x.device:
-            raise DomainError(f"{NAME}: {name} ({t.dtype}, {t.device}) must match x ({x.dtype}, {x.device})")
-    return {"tokens": x.shape[0], "hidden": x.shape[1]}
-
-
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
-    t, h = shape["tokens"], shape["hidden"]
-    g = gen.device
-    return {
-        "x": torch.randn(t, h, generator=gen, device=g).to(device, dtype),
-        "residual": torch.randn(t, h, generator=gen, device=g).to(device, dtype),
-        "weight": (1.0 + 0.1 * torch.randn(h, generator=gen, device=g)).to(device, dtype),
-    }
-
-
-def alloc_outputs(inputs: Inputs) -> Outputs:
-    return (torch.empty_like(inputs["x"]), torch.empty_like(inputs["x"]))
-
-
-def _block_n(hidden: int) -> int:
-    return max(16, triton.next_power_of_2(hidden))
-
-
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
-    cfg = _config(config)
-    x, r, w = inputs["x"], inputs["residual"], inputs["weight"]
-    DOMAIN.check(x.dtype, shape_of(inputs), inputs)
-    y, h = outs
-    for o in outs:
-        if o.shape != x.shape or o.dtype != x.dtype or not o.is_contiguous():
-            raise ValueError(f"{NAME}: outputs must be contiguous {x.dtype} tensors of shape {tuple(x.shape)}")
-    t, n = x.shape
-    _add_rmsnorm_fwd[(triton.cdiv(t, cfg["BLOCK_M"]),)](
-        x, r, w, y, h, t, n, EPS, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=_block_n(n),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def reference(inputs: Inputs) -> Outputs:
-    h = inputs["x"].double().cpu() + inputs["residual"].double().cpu()
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * inputs["weight"].double().cpu()
-    return (y, h)
-
-
-def eager(inputs: Inputs) -> Outputs:
-    h = inputs["x"] + inputs["residual"]
-    hf = h.float()
-    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype) * inputs["weight"]
-    return (y, h)
-
-
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
-    es = torch.empty((), dtype=dtype).element_size()
-    return (4 * shape["tokens"] * shape["hidden"] + shape["hidden"]) * es
-
-
-def flops(shape: Shape) -> int:
-    return 5 * shape["tokens"] * shape["hidden"]
-
-
-def fuzz(rng: random.Random) -> Shape:
-    return {"tokens": rng.randint(1, 9), "hidden": 8 * rng.randint(1, 64)}
-
-
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
-    """One specialization per row-block width BLOCK_N (next power of 2 of hidden) across the domain."""
-    cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
-    sig = {"x_ptr": p, "r_ptr": p, "w_ptr": p, "y_ptr": p, "h_ptr": p, "n_rows": "i32", "n_cols": "i32",
-           "eps": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    rng = DOMAIN.dims["hidden"]
-    blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << k for k in range(3, 17)), rng.hi) if rng.lo <= v <= rng.hi})
-    return [AotSpec(_add_rmsnorm_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
-
-
-DOMAIN = Domain(
-    dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 16384, 8)},
-    notes="x, residual (tokens, hidden) and weight (hidden,) of one dtype, contiguous; hidden <= 16384 "
-    "(a row lives in registers) and a multiple of 8; eps = 1e-6.",
-)
-
-OP = KernelOp(
-    name=NAME,
-    description="h = x + residual; y = rmsnorm(h) * weight; returns (y, h) in one pass",
-    domain=DOMAIN,
-    tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(2e-3, 2e-3), "bf16": Tolerance(1.6e-2, 1.6e-2)},
-    make_inputs=make_inputs,
-    shape_of=shape_of,
-    alloc_outputs=alloc_outputs,
-    run=run,
-    reference=reference,
-    eager=eager,
-    bytes_moved=bytes_moved,
-    flops=flops,
-    test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 6, "hidden": 1032}),
-    decode_shapes=tuple({"tokens": t, "hidden": 4096} for t in (1, 16, 64, 256)),
-    prefill_shapes=tuple({"tokens": t, "hidden": 4096} for t in (2048, 8192, 16384)),
-    fuzz=fuzz,
-    aot=aot,
-    default_config=DEFAULT_CONFIG,
-)
+OP = dataclasses.replace(base.OP, run=run)
