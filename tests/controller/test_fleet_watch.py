@@ -1,0 +1,214 @@
+"""Desired state pushed (issue 16): the generation, the per-generation snapshot, the watch, liveness, overload.
+
+On SQLite and PostgreSQL: the generation moves with every commit that changes desired state and not with
+liveness; the snapshot answers exactly what the database path answers and says when a heartbeat would write;
+over real HTTP a watch is held until the desired state changes and then answers at once, liveness reaches the
+database in batches, and an overloaded controller answers 503 with Retry-After that the agent client honours.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime as dt
+import threading
+import time
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+
+from agents.client import ControllerClient
+from controller import registry
+from controller.assignments import desired_state
+from controller.db.models import Node
+from controller.desired_cache import install_generation_hooks, load_snapshot, read_generation
+from controller.ingest import ingest_reports
+from kernelctl import wire
+from tests.controller.enginekit import T0, Kit
+from tests.controller.serverutil import ControllerProcess, build_test_bundles, inventory, register_node
+from tests.controller.test_serve_phase import _stable_and_candidate
+
+
+@pytest.fixture
+def kit(db_url, tmp_path):
+    k = Kit(db_url, tmp_path)
+    install_generation_hooks(k.factory)
+    yield k
+    k.close()
+
+
+def _gen(kit: Kit) -> int:
+    with kit.tx() as s:
+        return read_generation(s)
+
+
+def _db_desired(kit: Kit, name: str) -> list[wire.DesiredBundle]:
+    with kit.factory() as s:
+        out = desired_state(s, kit.node(s, name), now=T0)
+        s.rollback()
+    return out
+
+
+def test_generation_moves_with_desired_state_not_with_liveness(kit: Kit) -> None:
+    g0 = _gen(kit)
+    kit.nodes(3)
+    g1 = _gen(kit)
+    assert g1 > g0  # new nodes
+    with kit.tx() as s:  # liveness only: the batched flush's kind of write
+        s.execute(update(Node).values(last_heartbeat_at=T0 + dt.timedelta(seconds=5)))
+    assert _gen(kit) == g1
+    _rid, stable, cand = _stable_and_candidate(kit, nodes=0)
+    g2 = _gen(kit)
+    assert g2 > g1  # promotion of the baseline, the candidate's canaries
+    with kit.tx() as s:  # a node reports the candidate staged: stored, the generation moves
+        registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", staged=[stable, cand], active=[stable]),
+                           T0, heartbeat_seconds=5)
+    assert _gen(kit) > g2
+    g3 = _gen(kit)
+    with kit.factory() as s:  # a transaction rolled back moves nothing
+        s.execute(update(Node).values(state="stale"))
+        s.rollback()
+    assert _gen(kit) == g3
+
+
+def test_snapshot_answers_like_the_database_and_knows_when_a_heartbeat_writes(kit: Kit) -> None:
+    kit.nodes(3)
+    rid, stable, cand = _stable_and_candidate(kit, nodes=0)
+    # gpu-000: staged candidate reported; gpu-001: its ok report accepted (verified); gpu-002: says nothing yet
+    with kit.tx() as s:
+        for name in ("gpu-000", "gpu-001"):
+            registry.heartbeat(s, wire.HeartbeatRequest(node_name=name, staged=[stable, cand], active=[stable]),
+                               T0, heartbeat_seconds=5)
+    with kit.tx() as s:
+        n = kit.node(s, "gpu-001")
+        ingest_reports(s, n, wire.ReportBatch(node_name="gpu-001", reports=[kit.report(n, rid, cand, stable)]), T0)
+    snap = load_snapshot(kit.factory)
+    assert snap.generation == _gen(kit)
+    for name in ("gpu-000", "gpu-001", "gpu-002"):
+        assert snap.desired(snap.nodes[name]) == _db_desired(kit, name), name
+    (d1,) = snap.desired(snap.nodes["gpu-001"])
+    assert d1.active == cand and d1.phase == "verified"  # the verified canary may serve
+    (d0,) = snap.desired(snap.nodes["gpu-000"])
+    assert d0.active == stable and d0.trial is not None and d0.phase == "staged"
+    same = wire.HeartbeatRequest(node_name="gpu-000", staged=[stable, cand], active=[stable])
+    assert snap.fast_path(snap.nodes["gpu-000"], same)  # nothing to write but liveness
+    assert not snap.fast_path(snap.nodes["gpu-000"], wire.HeartbeatRequest(node_name="gpu-000", active=[stable]))
+    # gpu-001 switching to the candidate must be recorded (activation, phase serving): not the fast path
+    switched = wire.HeartbeatRequest(node_name="gpu-001", staged=[stable, cand], active=[cand])
+    assert not snap.fast_path(snap.nodes["gpu-001"], switched)
+    assert snap.fast_path(snap.nodes["gpu-002"], wire.HeartbeatRequest(node_name="gpu-002"))  # as stored: nothing
+    assert not snap.fast_path(snap.nodes["gpu-002"], wire.HeartbeatRequest(node_name="gpu-002", staged=[stable]))
+    with kit.tx() as s:
+        registry.heartbeat(s, switched, T0, heartbeat_seconds=5)
+    snap = load_snapshot(kit.factory)
+    assert snap.fast_path(snap.nodes["gpu-001"], switched)
+    assert snap.nodes["gpu-001"].rows["llm-fused"].view.phase == "serving"
+    with kit.tx() as s:  # a stale node is never answered from memory (it must be marked active, with an event)
+        s.execute(update(Node).where(Node.name == "gpu-001").values(state="stale"))
+    snap = load_snapshot(kit.factory)
+    assert not snap.fast_path(snap.nodes["gpu-001"], switched)
+
+
+# ------------------------------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory):
+    return build_test_bundles(tmp_path_factory.mktemp("watch-bundles"), versions=("1.0.0",))
+
+
+def _heartbeat(c: httpx.Client, **kw) -> dict:
+    r = c.post("/v1/agents/heartbeat", json={"node_name": "n1", **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_watch_is_held_until_the_desired_state_changes(db_url: str, tmp_path, bundles) -> None:
+    with ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=0.5) as ctl:
+        node = register_node(ctl, "n1")
+        first = _heartbeat(node)
+        gen = first["generation"]
+        assert isinstance(gen, int) and first["desired"] == []
+        # nothing changes: the watch answers after its wait, same generation, nothing desired
+        t = time.monotonic()
+        idle = _heartbeat(node, generation=gen, wait_seconds=1.5)
+        assert 1.3 <= time.monotonic() - t < 10 and idle["generation"] == gen and idle["desired"] == []
+        # a watch is held while the operator makes 1.0.0 stable, and answers with it at once
+        box: dict = {}
+
+        def watch() -> None:
+            box["reply"] = _heartbeat(node, generation=gen, wait_seconds=30)
+            box["at"] = time.monotonic()
+
+        th = threading.Thread(target=watch)
+        th.start()
+        time.sleep(1.0)
+        assert th.is_alive()  # held: nothing changed yet
+        with ctl.client("operator") as op:
+            assert op.post("/v1/bundles", content=bundles.files["1.0.0"].read_bytes()).status_code in (200, 201)
+            ro = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "reason": "baseline", "plan": {
+                "steps": [{"percent": 100, "bake_seconds": 0, "min_samples": 1}]}}).json()
+            r = op.post(f"/v1/rollouts/{ro['id']}/promote", json={"full": True, "reason": "baseline"})
+            assert r.status_code == 200, r.text
+            promoted = time.monotonic()
+        th.join(40)
+        assert not th.is_alive()
+        reply = box["reply"]
+        assert box["at"] - promoted < 5.0, "the promotion did not reach the waiting node at once"
+        assert reply["generation"] > gen and [d["active"]["version"] for d in reply["desired"]] == ["1.0.0"]
+        # liveness of answered-from-memory heartbeats reaches the database in batches
+        with ctl.client("operator") as op:
+            before = {n["name"]: n for n in op.get("/v1/nodes").json()}["n1"]["last_heartbeat_at"]
+            time.sleep(1.1)
+            _heartbeat(node, generation=reply["generation"], wait_seconds=0)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                after = {n["name"]: n for n in op.get("/v1/nodes").json()}["n1"]["last_heartbeat_at"]
+                if after != before:
+                    break
+                time.sleep(0.3)
+        assert after > before
+        text = httpx.get(ctl.url + "/metrics").text
+        assert 'kernelctl_heartbeat_service_seconds_count{path="fast"}' in text
+        assert "kernelctl_liveness_flushed_total" in text
+        node.close()
+
+
+def test_overload_answers_503_with_retry_after_and_agents_back_off(db_url: str, tmp_path) -> None:
+    with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_PENDING_WRITES": "1"}) as ctl:
+
+        def raw(i: int) -> httpx.Response:
+            with ctl.client("enroll") as c:
+                return c.post("/v1/agents/register", json={"node_name": f"raw-{i}", "inventory": inventory()})
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(raw, range(32)))
+        busy = [r for r in answers if r.status_code == 503]
+        assert busy, [r.status_code for r in answers]
+        assert all(1 <= int(r.headers["retry-after"]) <= 5 for r in busy)
+        assert all(r.status_code in (200, 503) for r in answers)
+        # the agent client retries after Retry-After (with jitter): every registration gets through
+        def agent(i: int) -> str:
+            client = ControllerClient(ctl.url, ctl.tokens["enroll"], max_attempts=20, max_retry_seconds=120,
+                                      backoff_max=2.0)
+            try:
+                return client.register(wire.RegisterRequest(node_name=f"agent-{i}",
+                                                            inventory=wire.Inventory(**inventory()))).node_name
+            finally:
+                client.close()
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            names = list(pool.map(agent, range(24)))
+        assert names == [f"agent-{i}" for i in range(24)]
+        with ctl.client("operator") as op:
+            listed = {n["name"] for n in op.get("/v1/nodes").json()}
+        assert {f"agent-{i}" for i in range(24)} <= listed
+        assert {r.json()["node_name"] for r in answers if r.status_code == 200} <= listed
+
+
+def test_no_node_unknown_to_the_snapshot_is_refused(kit: Kit) -> None:
+    """A node registered after the snapshot was loaded is simply not in it (the route takes the slow path)."""
+    snap = load_snapshot(kit.factory)
+    kit.nodes(1, prefix="late")
+    assert "late-000" not in snap.nodes
+    assert "late-000" in load_snapshot(kit.factory).nodes
+    with kit.tx() as s:
+        assert s.scalar(select(Node.state).where(Node.name == "late-000")) == "active"
