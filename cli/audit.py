@@ -53,7 +53,8 @@ def audit(
         nodes_that_ran,
         query_events,
     )
-    from controller.db.engine import check_schema_current, make_engine, session_factory
+    from controller.db.engine import make_engine, session_factory
+    from controller.db.migrate import check_schema_current
 
     since_t, until_t, at_t = _parse(since, "--since"), _parse(until, "--until"), _parse(at, "--at")
     if at_t is not None and not node:

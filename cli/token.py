@@ -16,7 +16,8 @@ DbFlag = DbOption
 
 
 def _token_db(db: str | None):  # type: ignore[no-untyped-def]
-    from controller.db.engine import check_schema_current, make_engine, session_factory
+    from controller.db.engine import make_engine, session_factory
+    from controller.db.migrate import check_schema_current
     from kernelctl.settings import get_settings
 
     engine = make_engine(db or get_settings().database_url)

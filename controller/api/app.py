@@ -29,7 +29,8 @@ from controller.api import routes_agents, routes_bundles, routes_fleet, routes_r
 from controller.api.deps import AppState
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
-from controller.db.engine import DatabaseError, check_schema_current, make_engine, session_factory
+from controller.db.engine import DatabaseError, make_engine, session_factory
+from controller.db.migrate import check_schema_current
 from controller.errors import KernelctlError
 from controller.leader import LeaderElector
 from controller.metrics import Metrics

@@ -97,21 +97,6 @@ def check_reachable(engine: Engine) -> None:
         raise DatabaseError(f"cannot reach database {engine.url.render_as_string(hide_password=True)}: {cause}") from None
 
 
-def check_schema_current(engine: Engine) -> None:
-    """Raise DatabaseError unless the database schema is at the code's Alembic head."""
-    from controller.db.migrate import current_revision, head_revision
-
-    check_reachable(engine)
-    current = current_revision(engine)
-    head = head_revision()
-    if current != head:
-        where = "empty (no schema)" if current is None else f"at revision {current}"
-        raise DatabaseError(
-            f"database {engine.url.render_as_string(hide_password=True)} is {where}, code expects {head}: "
-            "run `kernelctl db upgrade`"
-        )
-
-
 def has_table(engine: Engine, name: str) -> bool:
     return inspect(engine).has_table(name)
 

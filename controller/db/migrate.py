@@ -34,6 +34,21 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     command.upgrade(alembic_config(engine), revision)
 
 
+def check_schema_current(engine: Engine) -> None:
+    """Raise DatabaseError unless the database schema is at the code's Alembic head."""
+    from controller.db.engine import DatabaseError, check_reachable
+
+    check_reachable(engine)
+    current = current_revision(engine)
+    head = head_revision()
+    if current != head:
+        where = "empty (no schema)" if current is None else f"at revision {current}"
+        raise DatabaseError(
+            f"database {engine.url.render_as_string(hide_password=True)} is {where}, code expects {head}: "
+            "run `kernelctl db upgrade`"
+        )
+
+
 def upgrade_embedded(engine: Engine) -> tuple[str | None, str | None] | None:
     """Bring an embedded SQLite changelog to head (create it when empty); return (from, to) when it changed.
 
