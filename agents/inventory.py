@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kernelctl.vocab import stratum_key
 from kernelctl.wire import Inventory
 
 log = logging.getLogger("kernelctl.agent.inventory")
@@ -200,8 +201,7 @@ def memory_free_fraction(has_gpu: bool) -> float | None:
 
 def stratum_of(inv: Inventory) -> str:
     """``{arch}/drv{driver_major}/triton{triton_version}`` (how the controller groups nodes)."""
-    major = inv.driver_version.split(".")[0]
-    return f"{inv.arch}/drv{major}/triton{inv.triton_version}"
+    return stratum_key(inv.arch, inv.driver_version, inv.triton_version)
 
 
 def child_env(node: NodeInventory) -> dict[str, str]:

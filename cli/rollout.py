@@ -14,7 +14,7 @@ from rich.table import Table
 
 from cli.common import JsonOption, TokenOption, UrlOption, remote, split_ref
 from kernelctl.console import EXIT_USAGE, console, esc, fail, print_json, safe
-from kernelctl.vocab import TERMINAL_STATES as TERMINAL
+from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES
 
 # ------------------------------------------------------------------------------------------ rollouts
 rollout_app = typer.Typer(help="Start and follow rollouts.", no_args_is_help=True)
@@ -35,7 +35,7 @@ def _rollout_renderable(r: dict[str, Any]) -> Group:
         strata.add_row(
             safe(s["stratum"]), safe(s["state"]), str(s["step_index"]), safe(s.get("baseline") or "-"),
             str(s["nodes"].get("fleet", 0)), str(s["nodes"].get("assigned", 0)), str(s["nodes"].get("active", 0)),
-            "/".join(str(s["nodes"].get(p, 0)) for p in ("staged", "verified", "serving")),
+            "/".join(str(s["nodes"].get(p, 0)) for p in CANARY_PHASES),
             safe(f"{v['decision']}/{v['gate']} ({v['samples']} samples)") if v else "-",
             safe(v["evidence"].get("deciding_metric") or "-") if v else "-", safe(ev),
         )
@@ -130,12 +130,12 @@ def rollout_status(
         return
     try:
         if json_out:  # no live view: wait quietly, print the final state as JSON
-            while r["state"] not in TERMINAL:
+            while r["state"] not in TERMINAL_STATES:
                 time.sleep(max(0.2, interval))
                 r = client.request("GET", f"/v1/rollouts/{rollout_id}")
         else:
             with Live(_rollout_renderable(r), console=console, refresh_per_second=4) as live:
-                while r["state"] not in TERMINAL:
+                while r["state"] not in TERMINAL_STATES:
                     time.sleep(max(0.2, interval))
                     r = client.request("GET", f"/v1/rollouts/{rollout_id}")
                     live.update(_rollout_renderable(r))

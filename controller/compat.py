@@ -33,9 +33,8 @@ from controller.db.models import (
     RolloutStratum,
     StableVersion,
 )
+from kernelctl.vocab import ACTIVE_STATES, CANARY_PHASES, stratum_key
 
-ACTIVE_ROLLOUT_STATES = ("pending", "progressing", "paused")
-ACTIVE_STRATUM_STATES = ("pending", "progressing", "paused")
 NO_CUDA = frozenset({"", "none", "unknown", "cpu", "n/a"})
 
 
@@ -50,11 +49,6 @@ def driver_major(driver_version: object) -> int:
     """
     m = _MAJOR_RE.match(str(driver_version).strip())
     return int(m.group(1)) if m else -1
-
-
-def stratum_key(arch: str, driver_version: str, triton_version: str) -> str:
-    """The stratum of a node: ``"{arch}/drv{driver_major}/triton{triton_version}"``."""
-    return f"{arch}/drv{str(driver_version).strip().split('.')[0]}/triton{triton_version}"
 
 
 def node_stratum(node: Node | NodeInfo) -> str:
@@ -220,8 +214,8 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
     for rid, bid, stratum, step in session.execute(
         select(Rollout.id, Rollout.bundle_id, RolloutStratum.stratum, RolloutStratum.step_index)
         .join(RolloutStratum, RolloutStratum.rollout_id == Rollout.id)
-        .where(Rollout.bundle_id.in_(ids), Rollout.state.in_(ACTIVE_ROLLOUT_STATES),
-               RolloutStratum.state.in_(ACTIVE_STRATUM_STATES))
+        .where(Rollout.bundle_id.in_(ids), Rollout.state.in_(ACTIVE_STATES),
+               RolloutStratum.state.in_(ACTIVE_STATES))
     ):
         candidate[(bid, stratum)] = (rid, step)
     phases = _canary_phases(session, {rid for rid, _ in candidate.values()}, {n.id: n.stratum for n in fleet})
@@ -239,7 +233,7 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
             elif key in candidate:
                 rid, step = candidate[key]
                 rows.append(CompatRow(state="candidate", step=step, rollout_id=rid,
-                                      phases=phases.get((rid, stratum), dict.fromkeys(PHASES, 0)), **common))
+                                      phases=phases.get((rid, stratum), dict.fromkeys(CANARY_PHASES, 0)), **common))
             elif key in incompatible:
                 rows.append(CompatRow(state="rolled_back", reason=incompatible[key], **common))
             elif b.status == "revoked":
@@ -252,7 +246,6 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
     return rows
 
 
-PHASES = ("staged", "verified", "serving")
 
 
 def _canary_phases(session: Session, rollout_ids: set[int], stratum_of: dict[int, str]
@@ -266,6 +259,6 @@ def _canary_phases(session: Session, rollout_ids: set[int], stratum_of: dict[int
         .where(Assignment.rollout_id.in_(sorted(rollout_ids)))
     ):
         stratum = stratum_of.get(node_id)
-        if stratum is not None and phase in PHASES:
-            out.setdefault((rid, stratum), dict.fromkeys(PHASES, 0))[phase] += 1
+        if stratum is not None and phase in CANARY_PHASES:
+            out.setdefault((rid, stratum), dict.fromkeys(CANARY_PHASES, 0))[phase] += 1
     return out

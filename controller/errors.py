@@ -26,7 +26,7 @@ class NotFound(KernelctlError):
 
 
 class Conflict(KernelctlError):
-    """The action is invalid in the current state, or another writer changed the same row first."""
+    """The action is invalid in the current state (or, as :class:`ConcurrentWrite`, lost a race)."""
 
     status_code = 409
 
@@ -37,7 +37,9 @@ class Invalid(KernelctlError):
     status_code = 422
 
 
-# Aliases under the names used in the design notes.
-NotFoundError = NotFound
-ConflictError = Conflict
-InvalidError = Invalid
+class ConcurrentWrite(Conflict):
+    """Another writer (the judge's tick, another operator) changed the same rollout first: nothing was
+    changed, and the same action on fresh state may succeed (the API retries it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} was changed by another writer at the same time; re-read it and retry")

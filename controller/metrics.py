@@ -18,11 +18,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.db.models import Assignment, Node, Rollout, RolloutStratum
+from kernelctl.vocab import CANARY_PHASES, ROLLOUT_STATES
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_STATES = ("pending", "progressing", "paused", "promoted", "rolled_back")
-CANARY_PHASES = ("staged", "verified", "serving")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ROLLBACK_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 

@@ -6,7 +6,7 @@ its own state in ``rollout_strata`` (pending | progressing | paused | promoted |
 state summarises them. Every function runs inside the caller's transaction, writes its changelog event there,
 is idempotent (repeating an action is a no-op success without a second event) and refuses an invalid
 transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
-:class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
+:class:`ConcurrentWrite`, a retryable :class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from controller import assignments
 from controller.changelog import record_event
-from controller.compat import (
-    ACTIVE_ROLLOUT_STATES,
-    cached_fleet,
-    eligible_by_stratum,
-)
+from controller.compat import cached_fleet, eligible_by_stratum
 from controller.contract import ContractChange, contract_changes
 from controller.db.models import (
     Bundle,
@@ -36,14 +32,12 @@ from controller.db.models import (
     RolloutStep,
     RolloutStratum,
     StableVersion,
-    Verdict,
     utcnow,
 )
-from controller.errors import Conflict, Invalid, NotFound
+from controller.errors import ConcurrentWrite, Conflict, Invalid, NotFound
 from controller.plan import PlanSpec, load_plan
+from kernelctl.vocab import ACTIVE_STATES, TERMINAL_STATES
 
-ACTIVE_STRATA = ("pending", "progressing", "paused")
-TERMINAL = ("promoted", "rolled_back")
 REF_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,127})@(\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)$")
 SYSTEM_ACTOR = "controller"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -78,7 +72,7 @@ def flush(session: Session, what: str) -> None:
     try:
         session.flush()
     except StaleDataError:
-        raise Conflict(f"{what} was changed by another writer at the same time; re-read it and retry") from None
+        raise ConcurrentWrite(what) from None
 
 
 def guarded(fn: F) -> F:
@@ -90,7 +84,7 @@ def guarded(fn: F) -> F:
             return fn(session, *args, **kwargs)
         except StaleDataError:
             what = f"rollout {args[0]}" if args and isinstance(args[0], int) else "the rollout"
-            raise Conflict(f"{what} was changed by another writer at the same time; re-read it and retry") from None
+            raise ConcurrentWrite(what) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -116,7 +110,7 @@ def summarise(rollout: Rollout) -> str:
 
 def _sync_summary(rollout: Rollout) -> None:
     rollout.state = summarise(rollout)
-    live = [s.step_index for s in rollout.strata if s.state in ACTIVE_STRATA]
+    live = [s.step_index for s in rollout.strata if s.state in ACTIVE_STATES]
     rollout.step_index = min(live) if live else max((s.step_index for s in rollout.strata), default=0)
 
 
@@ -149,7 +143,7 @@ def start_rollout(
                        "start it with force to roll it out anyway")
     plan = plan or PlanSpec()
     active = list(session.scalars(select(Rollout).join(Bundle, Bundle.id == Rollout.bundle_id)
-                                  .where(Bundle.name == name, Rollout.state.in_(ACTIVE_ROLLOUT_STATES))))
+                                  .where(Bundle.name == name, Rollout.state.in_(ACTIVE_STATES))))
     for r in active:
         if r.bundle_id == bundle.id:
             return r
@@ -175,7 +169,7 @@ def start_rollout(
         why = "; ".join(f"{s}: {w}" for s, w in excluded.items())
         raise Conflict(f"nothing to roll out for {bundle.ref}: every eligible stratum is excluded ({why})")
     for r in active:
-        overlap = sorted({s.stratum for s in r.strata if s.state in ACTIVE_STRATA} & set(chosen))
+        overlap = sorted({s.stratum for s in r.strata if s.state in ACTIVE_STATES} & set(chosen))
         if overlap:
             raise Conflict(f"rollout {r.id} of {r.bundle.ref} is still active on {', '.join(overlap)}: "
                            "finish, roll back or wait for it first")
@@ -270,7 +264,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
     names = {r.stratum for r in rows}
     for r in rows:
         r.state, r.reason = "rolled_back", reason
-    everything = all(s.state in TERMINAL for s in rollout.strata) and not any(
+    everything = all(s.state in TERMINAL_STATES for s in rollout.strata) and not any(
         s.state == "promoted" for s in rollout.strata)
     reverted = assignments.revert_to_stable(session, rollout.id, None if everything else names, now=now)
     if mark_incompatible:
@@ -301,7 +295,7 @@ def _finish_if_done(session: Session, rollout: Rollout, *, actor: str, now: dt.d
     before = rollout.state
     _sync_summary(rollout)
     _touch(rollout, now)
-    if rollout.state == before or rollout.state not in TERMINAL:
+    if rollout.state == before or rollout.state not in TERMINAL_STATES:
         return
     if rollout.state == "promoted":
         _event(session, rollout, "rollout.promoted", actor=actor, reason=reason, payload={
@@ -326,7 +320,7 @@ def revoke_bundle(session: Session, bundle: Bundle, *, actor: str, reason: str, 
 
 # ----------------------------------------------------------------------------------- operator actions
 def _live_rows(rollout: Rollout) -> list[RolloutStratum]:
-    return [s for s in rollout.strata if s.state in ACTIVE_STRATA]
+    return [s for s in rollout.strata if s.state in ACTIVE_STATES]
 
 
 def position(rollout: Rollout) -> int:
@@ -422,7 +416,7 @@ def rollback(
         done = [s for s in wanted if by_name[s].state == "promoted"]
         if done:
             raise Conflict(f"stratum {', '.join(done)} of rollout {rollout_id} is already promoted")
-        rows = [by_name[s] for s in wanted if by_name[s].state in ACTIVE_STRATA]
+        rows = [by_name[s] for s in wanted if by_name[s].state in ACTIVE_STATES]
         if not rows:
             return rollout
         rollback_strata(session, rollout, rows, actor=actor, reason=reason, now=now, mark_incompatible=True)
@@ -470,28 +464,3 @@ def resume(session: Session, rollout_id: int, *, actor: str, reason: str | None 
     _event(session, rollout, "rollout.resumed", actor=actor, reason=reason, payload={"strata": resumed})
     flush(session, f"rollout {rollout_id}")
     return rollout
-
-
-# --------------------------------------------------------------------------------------------- reading
-def rollout_detail(session: Session, rollout_id: int) -> dict[str, Any]:
-    """A JSON-safe view of a rollout: strata, steps and the latest verdict (with evidence) per stratum."""
-    r = get_rollout(session, rollout_id)
-    latest: dict[str, Verdict] = {}
-    for v in session.scalars(select(Verdict).where(Verdict.rollout_id == r.id).order_by(Verdict.id)):
-        latest[v.stratum] = v
-    return {
-        "id": r.id, "bundle": r.bundle.ref, "state": r.state, "step_index": r.step_index,
-        "created_by": r.created_by, "created_at": r.created_at.isoformat(), "reason": r.reason,
-        "forced": r.forced, "plan": r.plan,
-        "steps": [{"index": s.index, "nodes": s.nodes, "percent": s.percent, "bake_seconds": s.bake_seconds,
-                   "min_samples": s.min_samples, "deadline_seconds": s.deadline_seconds} for s in r.steps],
-        "strata": [{
-            "stratum": s.stratum, "state": s.state, "step_index": s.step_index,
-            "baseline": _ref_of(session, s.baseline_bundle_id), "reason": s.reason,
-            "step_started_at": s.step_started_at.isoformat(),
-            "verdict": None if s.stratum not in latest else {
-                "decision": latest[s.stratum].decision, "gate": latest[s.stratum].gate,
-                "samples": latest[s.stratum].samples, "at": latest[s.stratum].at.isoformat(),
-                "evidence": latest[s.stratum].evidence},
-        } for s in r.strata],
-    }

@@ -27,10 +27,11 @@ from controller.api.schemas import (
 )
 from controller.compat import load_fleet
 from controller.db.models import Assignment, Bundle, Rollout, Verdict
-from controller.errors import Conflict, NotFound
+from controller.errors import ConcurrentWrite, Conflict, NotFound
 from controller.explain import RolloutExplain
 from controller.explain import explain as explain_rollout
 from kernelctl import wire
+from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES
 
 RolloutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Rollout id.")]
 
@@ -42,7 +43,7 @@ def rollout_out(r: Rollout) -> RolloutOut:
     return RolloutOut(
         id=r.id, bundle=r.bundle.ref, state=r.state, step_index=r.step_index, created_by=r.created_by,
         created_at=r.created_at, updated_at=r.updated_at, reason=r.reason, forced=r.forced,
-        promote_from_step=None if r.state in rollouts.TERMINAL else rollouts.position(r),
+        promote_from_step=None if r.state in TERMINAL_STATES else rollouts.position(r),
     )
 
 
@@ -92,7 +93,7 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
             first_failure_at=s.first_failure_at,
             nodes={"fleet": fleet_counts.get(s.stratum, 0), "assigned": nodes[s.stratum]["assigned"],
                    "active": nodes[s.stratum]["active"],
-                   **{p: nodes[s.stratum][p] for p in ("staged", "verified", "serving")}},
+                   **{p: nodes[s.stratum][p] for p in CANARY_PHASES}},
             latest_verdict=_verdict_out(latest[s.stratum]) if s.stratum in latest else None,
         )
         for s in r.strata
@@ -108,7 +109,7 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
 
 def _concurrent(exc: BaseException) -> bool:
     """A lost optimistic-concurrency race (e.g. with the judge's tick): safe to retry on fresh state."""
-    return isinstance(exc, StaleDataError) or (isinstance(exc, Conflict) and "another writer" in str(exc))
+    return isinstance(exc, StaleDataError | ConcurrentWrite)
 
 
 # Operator transitions re-run their whole transaction when they lose a race with the tick (fresh read each
