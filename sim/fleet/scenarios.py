@@ -1,6 +1,6 @@
 """Fleet-simulator scenarios: what each one rolls out, how its agents misbehave, and what must come out.
 
-A scenario is data only (the simulator in :mod:`controller.sim_fleet` acts on it): the candidate version,
+A scenario is data only (the simulator in :mod:`sim.fleet` acts on it): the candidate version,
 the true latency effect of the candidate, which strata report numeric errors, whether a share of agents
 stops heartbeating mid-rollout, whether the controller is SIGKILLed and restarted mid-rollout, and the
 expected final state of every stratum.

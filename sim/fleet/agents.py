@@ -1,0 +1,301 @@
+"""The simulated agents: one coroutine per node speaking the real wire models over HTTP.
+
+Each agent registers with the enrollment token (``wire.RegisterRequest``), then keeps one heartbeat open at a
+time as a watch (``wire.HeartbeatRequest`` with the ``generation`` it applied and ``wait_seconds``): the
+controller answers when the node's desired state changes, or after the heartbeat period. A reply is applied at
+once (stable and candidate are both staged, so a switch is instant; the bundle bytes are downloaded once per
+version for the whole fleet and their digest checked) and the next heartbeat reports it. While the reply
+carries a trial spec a trial coroutine produces one ``wire.TrialReport`` per trial interval (latencies from
+the judge's noise model, :mod:`sim.judge.noise`) and sends it as a ``wire.ReportBatch`` with its idempotency
+key, kept in the agent's outbox until a 200 acknowledges it. 429/503 answers are retried after their
+``Retry-After`` with jitter; nothing leaves the outbox unacknowledged.
+
+HTTP: the agents are spread over shards of ``httpx.AsyncClient`` (at most :data:`SHARD` agents each, two
+connections per agent: the watch and a report), so no pool scans thousands of waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import math
+import random
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from pydantic import BaseModel
+
+from kernelctl import wire
+from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
+from sim.fleet.scenarios import FLEET_KINDS, TRITON_VERSION, stratum_of
+
+SHARD = 64  # agents per httpx.AsyncClient
+MAX_TRIALS_PER_ROUND = 8
+
+
+class Stats:
+    """Client-side measurements shared by all simulated agents."""
+
+    def __init__(self) -> None:
+        self.latency: dict[str, list[float]] = defaultdict(list)
+        self.errors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.acked: set[str] = set()  # report keys acknowledged with 200 (accepted or duplicate)
+        self.refused: set[str] = set()  # keys answered 200 but refused (the node was no longer a canary, ...)
+        self.sent_keys: set[str] = set()
+        self.accepted = 0
+        self.duplicates = 0
+        self.first_report_at: float | None = None
+        self.last_report_at: float | None = None
+        self.first_offending: dict[str, float] = {}  # stratum -> monotonic time the first offending report was sent
+        self.back_to_stable: dict[str, float] = {}  # node -> monotonic time it switched back to stable
+        self.back_to_stable_wall: dict[str, float] = {}  # the same, wall clock (vs the controller's verdict time)
+        self.canary_strata: dict[str, str] = {}  # node -> stratum, every node that ever ran the candidate
+        self.registered_at: list[float] = []  # monotonic
+
+    def observe(self, endpoint: str, seconds: float, status: int | str) -> None:
+        self.latency[endpoint].append(seconds)
+        if not (isinstance(status, int) and status < 400):
+            self.errors[endpoint][str(status)] += 1
+
+
+@dataclass
+class SimAgent:
+    index: int
+    name: str
+    kind: tuple[str, str, str, str]
+    token: str | None = None
+    generation: int | None = None
+    active: wire.BundleRef | None = None
+    staged: dict[str, wire.BundleRef] = field(default_factory=dict)  # version -> ref
+    desired: wire.DesiredBundle | None = None
+    outbox: list[wire.TrialReport] = field(default_factory=list)
+    offending: set[str] = field(default_factory=set)  # outbox keys of offending reports
+    trials: int = 0
+    stopped: bool = False
+    trial_task: asyncio.Task[None] | None = None
+
+    @property
+    def stratum(self) -> str:
+        return stratum_of(self.kind)
+
+    def inventory(self) -> wire.Inventory:
+        arch, cc, driver, gpu = self.kind
+        return wire.Inventory(gpu_name=gpu, compute_capability=cc, arch=arch, driver_version=driver,
+                              cuda_version="12.4", triton_version=TRITON_VERSION, torch_version="2.13.0",
+                              memory_total_mb=81920, labels={"cluster": f"sim-{self.index % 4}"})
+
+
+def retry_after(resp: httpx.Response | None, default: float) -> float:
+    """Seconds to wait after a 429/503 (its ``Retry-After``, with up to 50% jitter on top)."""
+    base = default
+    if resp is not None:
+        try:
+            base = float(resp.headers.get("retry-after", default))
+        except ValueError:
+            base = default
+    return base * (1.0 + 0.5 * random.random())
+
+
+class Fleet:
+    """The simulated agents and the coroutines that drive them."""
+
+    def __init__(self, cfg: FleetConfig, tokens: dict[str, str], stats: Stats, candidate: str) -> None:
+        from sim.judge.noise import simulate_reports
+
+        self.cfg, self.tokens, self.stats, self.candidate = cfg, tokens, stats, candidate
+        self.rng = np.random.default_rng(cfg.seed)
+        self.agents = [SimAgent(i, f"sim-{i:05d}", FLEET_KINDS[i % len(FLEET_KINDS)]) for i in range(cfg.nodes)]
+        noise = simulate_reports(self.rng, runs=1, ticks=NOISE_TICKS, nodes=cfg.nodes, log_effect=0.0)
+        self.ratio = noise.ratio[0]  # (ticks, nodes) ln(candidate/stable) without the candidate's true effect
+        self.stable = noise.stable[0]
+        self.running = True
+        self.gate = asyncio.Semaphore(cfg.connections)  # registrations, reports, downloads in flight at once
+        self.fetched: set[str] = set()
+        self.base_url = ""
+        self.started = time.monotonic()  # when the agents were started (registration is timed from here)
+        self.restart: dict[str, float] | None = None  # controller-restart scenario: when and how long
+        n_shards = max(1, math.ceil(cfg.nodes / SHARD))
+        limits = httpx.Limits(max_connections=2 * SHARD + 2, max_keepalive_connections=2 * SHARD + 2)
+        self.clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, pool=120.0))
+                        for _ in range(n_shards)]
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+
+    def agent(self, name: str) -> SimAgent:
+        return self.agents[int(name.rsplit("-", 1)[1])]
+
+    async def request(self, a: SimAgent, endpoint: str, method: str, path: str, token: str,
+                      body: BaseModel | None = None, *, timeout: float = 30.0,
+                      gated: bool = True) -> httpx.Response | None:
+        """One agent request; its latency includes any wait for the gate (what an agent sees)."""
+        client = self.clients[a.index // SHARD]
+        headers = {"Authorization": f"Bearer {token}"}
+        kw: dict[str, Any] = {"timeout": timeout, "headers": headers}
+        if body is not None:
+            kw["content"] = body.model_dump_json()
+            headers["Content-Type"] = "application/json"
+        t0 = time.perf_counter()
+        try:
+            if gated:
+                async with self.gate:
+                    r = await client.request(method, self.base_url + path, **kw)
+            else:
+                r = await client.request(method, self.base_url + path, **kw)
+        except httpx.HTTPError as exc:
+            self.stats.observe(endpoint, time.perf_counter() - t0, type(exc).__name__)
+            return None
+        self.stats.observe(endpoint, time.perf_counter() - t0, r.status_code)
+        return r
+
+    # ------------------------------------------------------------------------------ one agent
+    async def run_agent(self, a: SimAgent, start_delay: float) -> None:
+        await asyncio.sleep(start_delay)
+        hb = self.cfg.heartbeat_seconds
+        while self.running and a.token is None:
+            req = wire.RegisterRequest(node_name=a.name, inventory=a.inventory())
+            r = await self.request(a, "register", "POST", "/v1/agents/register", self.tokens["enroll"], req)
+            if r is not None and r.status_code == 200:
+                a.token = wire.RegisterResponse.model_validate_json(r.content).node_token
+                self.stats.registered_at.append(time.monotonic())
+            else:
+                await asyncio.sleep(retry_after(r, 1.0) if r is not None and r.status_code in (429, 503)
+                                    else hb * (0.5 + random.random()))
+        while self.running and not a.stopped:
+            await self.heartbeat_round(a)
+
+    async def heartbeat_round(self, a: SimAgent) -> None:
+        assert a.token is not None
+        hb = self.cfg.heartbeat_seconds
+        req = wire.HeartbeatRequest(node_name=a.name, staged=list(a.staged.values()),
+                                    active=[a.active] if a.active else [], generation=a.generation,
+                                    wait_seconds=hb if a.generation is not None else 0.0)
+        r = await self.request(a, "heartbeat", "POST", "/v1/agents/heartbeat", a.token, req, timeout=hb + 60,
+                               gated=False)
+        if r is None or r.status_code != 200:
+            if r is not None and r.status_code in (429, 503):
+                await asyncio.sleep(retry_after(r, 2.0))
+            else:
+                await asyncio.sleep(min(hb, 5.0) * (0.5 + random.random()))  # controller down: retry soon
+            return
+        reply = wire.HeartbeatResponse.model_validate_json(r.content)
+        a.generation = reply.generation
+        for d in reply.desired:
+            if d.name == BUNDLE:
+                await self.apply(a, d)
+
+    async def apply(self, a: SimAgent, desired: wire.DesiredBundle) -> None:
+        a.desired = desired
+        want = desired.active  # None: a first version before its pre-serve trial passed (serve none)
+        for ref in (want, desired.stable, desired.trial.candidate if desired.trial else None):
+            if ref is not None and ref.version not in a.staged:
+                await self.fetch_once(a, ref)
+                a.staged[ref.version] = ref
+        if want is not None and (a.active is None or a.active.digest != want.digest):
+            was_candidate = a.active is not None and a.active.version == self.candidate
+            a.active = want  # both staged: switching is instant
+            if want.version == self.candidate and desired.role == "candidate":
+                self.stats.canary_strata.setdefault(a.name, a.stratum)
+            elif was_candidate and a.name not in self.stats.back_to_stable:
+                self.stats.back_to_stable[a.name] = time.monotonic()
+                self.stats.back_to_stable_wall[a.name] = time.time()
+        if desired.trial is not None and desired.role == "candidate" and (a.trial_task is None
+                                                                          or a.trial_task.done()):
+            a.trial_task = asyncio.create_task(self.trial_loop(a))
+
+    async def fetch_once(self, a: SimAgent, ref: wire.BundleRef) -> None:
+        """Download a version's bundle once for the whole simulated fleet (digest checked)."""
+        if ref.version in self.fetched:
+            return
+        self.fetched.add(ref.version)
+        r = await self.request(a, "bundle_content", "GET", f"/v1/bundles/{ref.name}/{ref.version}/content",
+                               a.token or "", timeout=120)
+        if r is None or r.status_code != 200 or hashlib.sha256(r.content).hexdigest() != ref.digest:
+            self.fetched.discard(ref.version)
+
+    # ------------------------------------------------------------------------------ trials
+    async def trial_loop(self, a: SimAgent) -> None:
+        """One simulated trial per trial interval while the desired state asks for one; the first after a
+        random fraction of the interval (at most 30 s), so the fleet's reports do not arrive in one burst."""
+        first = True
+        while self.running and not a.stopped:
+            d = a.desired
+            if d is None or d.trial is None or d.role != "candidate":
+                return
+            interval = max(d.trial.interval_seconds, 0.05)
+            await asyncio.sleep(random.random() * min(interval, 30.0) if first else interval)
+            first = False
+            d = a.desired
+            if not self.running or a.stopped or d is None or d.trial is None:
+                return
+            a.outbox.append(self.trial_report(a, d.trial))
+            await self.flush(a)
+
+    def trial_report(self, a: SimAgent, trial: wire.TrialSpec) -> wire.TrialReport:
+        sc = self.cfg.scenario
+        t = a.trials % NOISE_TICKS
+        a.trials += 1
+        faulty = trial.candidate.version == self.candidate  # the baseline's own trials are clean
+        numeric_bad = faulty and a.stratum in sc.numeric_error_strata
+        ratio = float(self.ratio[t, a.index]) + (sc.log_effect if faulty else 0.0)
+        stable_s = 1e-4 * float(self.stable[t, a.index])
+        key = f"sim-{a.name}-{a.trials}-{secrets.token_hex(4)}"
+        if numeric_bad or (faulty and sc.log_effect > 0):
+            a.offending.add(key)
+        return wire.TrialReport(
+            idempotency_key=key, rollout_id=trial.rollout_id, stratum=trial.stratum, candidate=trial.candidate,
+            stable=trial.stable, outcome="numeric_error" if numeric_bad else "ok",
+            measured_at=dt.datetime.now(dt.timezone.utc), duration_s=0.5,
+            latency=[wire.LatencyPair(op="bias_gelu", tokens=8, stable_s=stable_s,
+                                      candidate_s=stable_s * math.exp(ratio))],
+            numerics=[wire.NumericCheck(op="bias_gelu", dtype="fp16", shape={"M": 8, "N": 4096},
+                                        max_abs_err=0.5 if numeric_bad else 2e-4,
+                                        max_rel_err=0.3 if numeric_bad else 1e-3, within_tolerance=not numeric_bad)],
+            detail="simulated trial" + (" (numeric drift)" if numeric_bad else ""))
+
+    async def flush(self, a: SimAgent) -> None:
+        """Send the outbox as one batch; keep it until a 200 acknowledges it (retried after 429/503)."""
+        while a.outbox and a.token is not None and self.running:
+            batch = list(a.outbox)
+            now = time.monotonic()
+            for r in batch:
+                self.stats.sent_keys.add(r.idempotency_key)
+                if r.idempotency_key in a.offending:
+                    self.stats.first_offending.setdefault(a.stratum, now)
+            resp = await self.request(a, "reports", "POST", "/v1/agents/reports", a.token,
+                                      wire.ReportBatch(node_name=a.name, reports=batch))
+            if resp is None or resp.status_code >= 500 or resp.status_code == 429:
+                if a.stopped:
+                    return
+                await asyncio.sleep(retry_after(resp, 2.0) if resp is not None else 2.0 * (0.5 + random.random()))
+                continue
+            sent = {r.idempotency_key for r in batch}
+            a.outbox = [r for r in a.outbox if r.idempotency_key not in sent]
+            a.offending -= sent
+            if resp.status_code != 200:
+                return  # 4xx: refused for good (counted as an error of the endpoint), never resent
+            body = wire.ReportBatchResponse.model_validate_json(resp.content)
+            self.stats.accepted += body.accepted
+            self.stats.duplicates += body.duplicates
+            self.stats.refused.update(body.refused)  # late reports (not a canary any more): not stored
+            self.stats.acked.update(k for k in sent if k not in body.refused)
+            t = time.monotonic()
+            self.stats.first_report_at = self.stats.first_report_at or t
+            self.stats.last_report_at = t
+
+    async def final_flush(self, timeout: float = 60.0) -> None:
+        """Send what is left in the outboxes (the agents' loops have ended)."""
+        self.running = True
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self.flush(a) for a in self.agents if a.outbox
+                                                    and not a.stopped)), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self.running = False
