@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import JsonOption, TokenOption, UrlOption, remote, split_ref
+from cli.common import JsonOption, TokenOption, UrlOption, fetch, remote, split_ref
 from kernelctl.console import EXIT_USAGE, console, esc, fail, print_json, safe
 
 
@@ -32,10 +32,7 @@ def bundle_push(ctx: typer.Context, file: Annotated[Path, typer.Argument(help="T
 def bundle_list(ctx: typer.Context, name: Annotated[str | None, typer.Option(help="Only this bundle name.")] = None,
                 url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """List registered bundle versions."""
-    rows = remote(ctx, url, token).request("GET", "/v1/bundles", params={"name": name} if name else None)
-    if json_out:
-        print_json(rows)
-        return
+    rows = fetch(ctx, url, token, json_out, "/v1/bundles", name=name)
     table = Table("bundle", "status", "digest", "signer", "size", "created", "by")
     for b in rows:
         table.add_row(safe(b["ref"]), safe(b["status"]), safe(b["digest"][:12]), safe(b["signer_key_id"]),
@@ -47,10 +44,7 @@ def bundle_show(ctx: typer.Context, ref: Annotated[str, typer.Argument(help="NAM
                 url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """Show one bundle version (targets, digest, manifest)."""
     name, version = split_ref(ref)
-    b = remote(ctx, url, token).request("GET", f"/v1/bundles/{name}/{version}")
-    if json_out:
-        print_json(b)
-        return
+    b = fetch(ctx, url, token, json_out, f"/v1/bundles/{name}/{version}")
     console.print(f"[bold]{esc(b['ref'])}[/] {esc(b['status'])}  digest {esc(b['digest'])}  signer "
                   f"{esc(b['signer_key_id'])}")
     for t in b["targets"]:

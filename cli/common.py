@@ -11,7 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from kernelctl.console import EXIT_AUTH, EXIT_USAGE, exit_code, fail
+from kernelctl.console import EXIT_AUTH, EXIT_USAGE, exit_code, fail, print_json
 from kernelctl.opclient import ApiError, OperatorClient, OperatorError
 
 UrlOption = Annotated[str | None, typer.Option("--url", help="Controller URL (default: KERNELCTL_URL).")]
@@ -74,6 +74,15 @@ class Remote(OperatorClient):
 
 def remote(ctx: typer.Context, url: str | None, token: str | None) -> Remote:
     return Remote.from_ctx(ctx, url, token)
+
+
+def fetch(ctx: typer.Context, url: str | None, token: str | None, json_out: bool, path: str, **params: Any) -> Any:
+    """GET ``path`` (empty filters left out); with ``--json`` print the answer and exit 0, else return it."""
+    data = remote(ctx, url, token).request("GET", path, params={k: v for k, v in params.items() if v} or None)
+    if json_out:
+        print_json(data)
+        raise typer.Exit(0)
+    return data
 
 
 def split_ref(ref: str) -> tuple[str, str]:

@@ -7,8 +7,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import JsonOption, TokenOption, UrlOption, remote
-from kernelctl.console import console, esc, print_json, safe
+from cli.common import JsonOption, TokenOption, UrlOption, fetch
+from kernelctl.console import console, esc, safe
 
 STATE_STYLE = {"stable": "green", "candidate": "yellow", "rolled_back": "red", "revoked": "red",
                "eligible": "cyan", "ineligible": "dim"}
@@ -17,10 +17,7 @@ STATE_STYLE = {"stable": "green", "candidate": "yellow", "rolled_back": "red", "
 def compat_cmd(ctx: typer.Context, bundle: Annotated[str | None, typer.Option(help="Only this bundle name.")] = None,
                url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """The compatibility matrix: bundle versions x strata, the state in each cell."""
-    rows = remote(ctx, url, token).request("GET", "/v1/compat", params={"bundle": bundle} if bundle else None)
-    if json_out:
-        print_json(rows)
-        return
+    rows = fetch(ctx, url, token, json_out, "/v1/compat", bundle=bundle)
     strata = sorted({r["stratum"] for r in rows})
     bundles = list(dict.fromkeys(r["bundle"] for r in rows))
     cells = {(r["bundle"], r["stratum"]): r for r in rows}

@@ -187,14 +187,17 @@ class LocalFleet:
                      on_update: Callable[[dict[str, Any]], None] | None = None,
                      poll: float = 0.5) -> dict[str, Any]:
         """Poll until the rollout is promoted or rolled back (or paused past ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            detail = self.rollout(rollout_id)
+
+        def update(detail: dict[str, Any]) -> None:
             if on_update:
                 on_update(detail)
-            if detail["state"] in TERMINAL_STATES or time.monotonic() > deadline:
-                return detail
+            if detail["state"] in TERMINAL_STATES:
+                return
             dead = [n for n, up in self.procs.alive().items() if not up]
             if dead:
                 raise FleetError(f"{dead[0]} exited during the rollout:\n{self.procs.log_tail(dead[0])}")
-            time.sleep(poll)
+
+        try:
+            return self.client.wait_rollout(rollout_id, timeout=timeout, poll=poll, on_update=update)
+        except OperatorError as exc:
+            raise FleetError(str(exc)) from None

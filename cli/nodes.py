@@ -7,17 +7,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import JsonOption, TokenOption, UrlOption, remote
-from kernelctl.console import console, print_json, safe
+from cli.common import JsonOption, TokenOption, UrlOption, fetch
+from kernelctl.console import console, safe
 
 
 def nodes_cmd(ctx: typer.Context, state: Annotated[str | None, typer.Option(help="active or stale.")] = None,
               url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """List nodes: stratum, liveness, active versions, a canary's phase (staged, verified, serving)."""
-    rows = remote(ctx, url, token).request("GET", "/v1/nodes", params={"state": state} if state else None)
-    if json_out:
-        print_json(rows)
-        return
+    rows = fetch(ctx, url, token, json_out, "/v1/nodes", state=state)
     table = Table("node", "state", "stratum", "gpu", "last heartbeat", "active", "desired", "phase")
     for n in rows:  # every cell is node-supplied or stored text: printed literally, never as markup
         table.add_row(safe(n["name"]), safe(n["state"]), safe(n["stratum"]), safe(n["gpu_name"]),

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from cli.common import JsonOption, TokenOption, UrlOption, remote, split_ref
+from cli.common import JsonOption, TokenOption, UrlOption, fetch, remote, split_ref
 from kernelctl.console import EXIT_USAGE, console, esc, fail, print_json, safe
 from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES
 
@@ -100,10 +100,7 @@ def _read_plan(path: Path) -> Any:
 def rollout_list(ctx: typer.Context, state: Annotated[str | None, typer.Option(help="Only this state.")] = None,
                  url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """List rollouts, newest first."""
-    rows = remote(ctx, url, token).request("GET", "/v1/rollouts", params={"state_filter": state} if state else None)
-    if json_out:
-        print_json(rows)
-        return
+    rows = fetch(ctx, url, token, json_out, "/v1/rollouts", state_filter=state)
     table = Table("id", "bundle", "state", "step", "created", "by", "reason")
     for r in rows:
         table.add_row(str(r["id"]), safe(r["bundle"]), safe(r["state"]), str(r["step_index"]),
@@ -190,9 +187,5 @@ def rollout_explain(
     url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
 ) -> None:
     """Explain the judge's verdicts: every metric per stratum (value, bounds, margin, decision, which decided)."""
-    params = {"stratum": stratum} if stratum else None
-    doc = remote(ctx, url, token).request("GET", f"/v1/rollouts/{rollout_id}/explain", params=params)
-    if json_out:
-        print_json(doc)
-    else:
-        console.print(explain_renderable(doc))
+    doc = fetch(ctx, url, token, json_out, f"/v1/rollouts/{rollout_id}/explain", stratum=stratum)
+    console.print(explain_renderable(doc))

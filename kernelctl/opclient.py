@@ -14,7 +14,8 @@ status (never by its message text), a connection failure :class:`Unreachable` an
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,21 @@ def api_error(method: str, path: str, resp: httpx.Response) -> ApiError:
     return cls(method, path, status, error_detail(resp))
 
 
-def _body(resp: httpx.Response) -> Any:
+@contextmanager
+def _transport_errors(url: str) -> Iterator[None]:
+    """httpx's transport failures as :class:`TimedOut` / :class:`Unreachable`."""
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise TimedOut(f"controller at {url} did not answer in time") from None
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"cannot reach the controller at {url}: {exc}") from None
+
+
+def _answer(method: str, path: str, resp: httpx.Response) -> Any:
+    """The decoded JSON (bytes for other content, None for none), or the typed error of an error answer."""
+    if resp.status_code >= 400:
+        raise api_error(method, path, resp)
     if resp.headers.get("content-type", "").startswith("application/json"):
         return resp.json()
     return resp.content or None
@@ -117,15 +132,9 @@ class OperatorClient:
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
         """One call: the decoded JSON (bytes for other content, None for none); a typed error otherwise."""
-        try:
+        with _transport_errors(self.url):
             resp = self.http.request(method, path, **kw)
-        except httpx.TimeoutException:
-            raise TimedOut(f"controller at {self.url} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise Unreachable(f"cannot reach the controller at {self.url}: {exc}") from None
-        if resp.status_code >= 400:
-            raise api_error(method, path, resp)
-        return _body(resp)
+        return _answer(method, path, resp)
 
     # ------------------------------------------------------------------------------------ verbs
     def push_bundle(self, file: Path | bytes) -> dict[str, Any]:
@@ -190,13 +199,7 @@ class AsyncOperatorClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _once(self, method: str, path: str, **kw: Any) -> Any:
-        try:
+        with _transport_errors(self.url):
             resp = await self.http.request(method, self.url + path, headers=_headers(self.token),
                                            timeout=kw.pop("timeout", self.timeout), **kw)
-        except httpx.TimeoutException:
-            raise TimedOut(f"controller at {self.url} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise Unreachable(f"cannot reach the controller at {self.url}: {exc}") from None
-        if resp.status_code >= 400:
-            raise api_error(method, path, resp)
-        return _body(resp)
+        return _answer(method, path, resp)

@@ -91,6 +91,18 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
 CLI_MODULE = "cli.app"  # the root ``kernelctl`` Typer app (the console script's target)
 
 
+def terminate(proc: subprocess.Popen[bytes] | ProcLike, timeout: float = 30.0) -> int | None:
+    """SIGTERM ``proc`` (not its group) and wait; SIGKILL after ``timeout``. Its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 def kernelctl_args(*args: str) -> list[str]:
     """Run kernelctl with this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", CLI_MODULE, *args]
@@ -251,14 +263,7 @@ class ServeProcess:
         """SIGTERM (graceful) and wait; SIGKILL if it does not exit in ``timeout``. Its exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        rc = self.proc.returncode
+        rc = terminate(self.proc, timeout)
         self.proc = None
         if not self.reuse_port:
             self.port = None

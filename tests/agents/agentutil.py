@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import httpx
 from sqlalchemy import create_engine, select
 
 from controller.db.models import Report
+from kernelctl.procs import terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,14 +83,7 @@ class AgentProcess:
         """SIGTERM and wait; returns the exit code (SIGKILL after ``timeout``)."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        rc = self.proc.returncode
+        rc = terminate(self.proc, timeout)
         self.proc = None
         return rc
 
