@@ -14,7 +14,8 @@ desired state and serves heartbeats from it:
   round trip. The snapshot is reloaded when the generation moves: PostgreSQL ``LISTEN kernelctl_desired``
   (every replica), the commit hook of this process (SQLite, and the local fast path), and a poll of the
   counter every ``watch_poll_seconds`` as a safety net. Reloads are coalesced (at most one per
-  ``watch_min_reload_seconds``); after each, only the waiters whose desired state changed are woken.
+  ``min_reload_seconds``, reloading at most a third of the time); after each, only the waiters whose
+  desired state changed are woken.
 
 A node's per-replica generation is the snapshot generation at which its desired state last changed here; a
 request whose ``generation`` is newer than this replica's snapshot waits for the reload first, so an agent
@@ -69,7 +70,7 @@ class DesiredHub:
     """One replica's snapshot, waiters, liveness buffer and reload loop (see the module docstring)."""
 
     def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
-                 min_reload_seconds: float = 0.2, liveness_flush_seconds: float = 1.0,
+                 min_reload_seconds: float = 0.05, liveness_flush_seconds: float = 1.0,
                  max_pending_writes: int = 64, metrics: Any = None) -> None:
         self.factory = factory
         self.url = database_url
@@ -134,11 +135,13 @@ class DesiredHub:
             except Exception as exc:  # database down: keep serving the last snapshot, retry on the next poll
                 log.warning("desired-state reload failed: %s", str(exc).splitlines()[0] if str(exc) else exc)
                 snap = None
+            spent = time.perf_counter() - started
             if snap is not None:
                 self._install(snap)
                 if self.metrics is not None:
-                    self.metrics.desired_reload.observe(time.perf_counter() - started)
-            await asyncio.sleep(self.min_reload_seconds)
+                    self.metrics.desired_reload.observe(spent)
+            # coalesce: at most one reload per min_reload_seconds, and reloading at most a third of the time
+            await asyncio.sleep(max(self.min_reload_seconds, 2.0 * spent) if snap is not None else 0.0)
 
     def _load_if_newer(self) -> Snapshot | None:
         with self.factory() as session:
