@@ -103,6 +103,13 @@ def terminate(proc: subprocess.Popen[bytes] | ProcLike, timeout: float = 30.0) -
     return proc.returncode
 
 
+def kill(proc: subprocess.Popen[bytes] | ProcLike) -> int | None:
+    """SIGKILL ``proc`` (not its group) unless it already ended, and reap it. Its exit code."""
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait(10)
+
+
 def kernelctl_args(*args: str) -> list[str]:
     """Run kernelctl with this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", CLI_MODULE, *args]
@@ -272,9 +279,7 @@ class ServeProcess:
     def kill(self) -> None:
         """SIGKILL (a crash at an arbitrary instant)."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait(10)
+            kill(self.proc)
         self.proc = None
         if not self.reuse_port:
             self.port = None

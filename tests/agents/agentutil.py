@@ -16,7 +16,7 @@ import httpx
 from sqlalchemy import create_engine, select
 
 from controller.db.models import Report
-from kernelctl.procs import terminate
+from kernelctl.procs import kill, terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,9 +90,7 @@ class AgentProcess:
     def kill(self) -> None:
         """SIGKILL the agent process only (its trial child, if any, is its own process group)."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait(10)
+            kill(self.proc)
         self.proc = None
 
     def log_text(self) -> str:

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from sim.localctl import (  # re-exported: the tests import them from here
     register_node,
 )
 
-__all__ = ["READY_TIMEOUT", "ControllerProcess", "TestBundles", "Zygote", "build_test_bundles", "cli_command",
+__all__ = ["READY_TIMEOUT", "ControllerProcess", "TestBundles", "Zygote", "build_test_bundles", "cli_command", "controller_fixtures",
            "inventory", "make_tokens", "ok_report", "register_node", "serve_command"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -178,3 +179,27 @@ def build_test_bundles(root: Path, versions: tuple[str, ...] = ("1.0.0", "1.1.0"
                         archs=archs, cuda=["12.x", "13.x"], decode_batch_sizes=[1, 8], prefill_tokens=[64],
                         note="controller test bundle")
     return TestBundles(root, made.trusted, made.private_key, made.files)
+
+
+def controller_fixtures(prefix: str, versions: tuple[str, ...] = ("1.0.0",), **controller: Any) -> tuple[Any, Any]:
+    """A test module's module-scoped ``bundles`` (signed test bundles of ``versions``) and ``ctl`` fixtures: a
+    ControllerProcess trusting them (``controller``: its keyword arguments) on a fresh database, once on SQLite
+    and once on PostgreSQL. Usage: ``bundles, ctl = controller_fixtures("auth")`` at module level."""
+    import pytest
+
+    from tests import dbutil
+
+    @pytest.fixture(scope="module", name="bundles")
+    def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
+        return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=versions)
+
+    @pytest.fixture(scope="module", name="ctl",
+                    params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+    def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+        tmp = tmp_path_factory.mktemp(f"{prefix}-{request.param}")
+        with dbutil.fresh_database(request.param, tmp) as url, \
+                ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, **controller) as proc:
+            yield proc
+
+    return bundles, ctl

@@ -3,27 +3,16 @@ node, viewers change nothing, tokens never appear in the server's logs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
-import pytest
 
-from tests import dbutil
-from tests.controller.serverutil import ControllerProcess, TestBundles, build_test_bundles, register_node
+from tests.controller.serverutil import (
+    ControllerProcess,
+    TestBundles,
+    controller_fixtures,
+    register_node,
+)
 
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0",))
-
-
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    tmp = tmp_path_factory.mktemp(f"auth-{request.param}")
-    with dbutil.fresh_database(request.param, tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir) as proc:
-        yield proc
+bundles, ctl = controller_fixtures("auth")
 
 
 def test_no_and_unknown_token_401(ctl: ControllerProcess) -> None:

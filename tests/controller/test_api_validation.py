@@ -11,11 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests import dbutil
 from tests.controller.serverutil import (
     ControllerProcess,
     TestBundles,
-    build_test_bundles,
+    controller_fixtures,
     ok_report,
     register_node,
 )
@@ -24,19 +23,8 @@ MAX_BUNDLE = 1024 * 1024
 PLAN = {"steps": [{"nodes": 1, "bake_seconds": 3600, "min_samples": 1000, "deadline_seconds": 7200}]}
 
 
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0",))
-
-
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    tmp = tmp_path_factory.mktemp(f"validation-{request.param}")
-    with dbutil.fresh_database(request.param, tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, max_bundle_bytes=MAX_BUNDLE,
-                             extra_env={"KERNELCTL_API_DOCS": "true"}) as proc:
-        yield proc
+bundles, ctl = controller_fixtures("validation", max_bundle_bytes=MAX_BUNDLE,
+                                    extra_env={"KERNELCTL_API_DOCS": "true"})
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,13 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests import dbutil
 from tests.controller.serverutil import (
     ControllerProcess,
     TestBundles,
-    build_test_bundles,
     cli_command,
+    controller_fixtures,
     register_node,
 )
 
@@ -26,18 +22,7 @@ PLAN = {"steps": [{"nodes": 1, "bake_seconds": 3600, "min_samples": 100, "deadli
         "max_fleet_share": 1.0, "max_label_share": 1.0}
 
 
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0", "1.1.0"))
-
-
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    tmp = tmp_path_factory.mktemp(f"cli-{request.param}")
-    with dbutil.fresh_database(request.param, tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir) as proc:
-        yield proc
+bundles, ctl = controller_fixtures("cli", versions=("1.0.0", "1.1.0"))
 
 
 def kctl(ctl: ControllerProcess, *args: str, who: str = "operator", token: str | None = None,

@@ -7,16 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 
-import pytest
-
-from tests import dbutil
 from tests.agents.agentutil import wait_for
 from tests.controller.serverutil import (
     ControllerProcess,
     TestBundles,
-    build_test_bundles,
+    controller_fixtures,
     ok_report,
     register_node,
 )
@@ -25,18 +21,7 @@ PLAN = {"steps": [{"nodes": 1, "bake_seconds": 0, "min_samples": 3, "deadline_se
         "hold_verdict_seconds": 0}
 
 
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0", "1.1.0"))
-
-
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    tmp = tmp_path_factory.mktemp(f"explain-{request.param}")
-    with dbutil.fresh_database(request.param, tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir) as proc:
-        yield proc
+bundles, ctl = controller_fixtures("explain", versions=("1.0.0", "1.1.0"))
 
 
 def test_explain_shows_every_metric_and_the_deciding_one(ctl: ControllerProcess, bundles: TestBundles) -> None:
