@@ -203,25 +203,54 @@ class Worker:
         return dataclasses.replace(op, tolerances=tols)
 
     def _numerics(self) -> None:
-        from kernelpack.harness.edge import check_edge, check_production
+        """Golden vectors, fuzzing, edge values and production shapes, in that order; the first phase with a
+        check over tolerance ends the numerics (a ``numeric_error`` needs no further evidence). On the
+        interpreter, golden/edge/production checks a node already passed for this (candidate, stable) pair
+        are not repeated (:mod:`agents.trial_memo`); fuzzing, with this trial's fresh seed, always runs."""
+        from agents.trial_memo import NumericsMemo
+
+        memo = NumericsMemo.for_trial(self.spec, self.device.type, has_stable=bool(self.stable))
+        passed = memo.passed() if memo is not None else None
+        if passed is not None:
+            self.notes.append(f"golden, edge and production checks not repeated: the same {passed.get('checks')} "
+                              f"checks on the same inputs passed in this node's trial at {passed.get('at')} "
+                              "(the interpreter is deterministic); fuzzing runs with this trial's seed")
+        for run_phase in [self._fuzz] if passed else [self._golden, self._fuzz, self._edge, self._production]:
+            run_phase()
+            if any(not c["within_tolerance"] for c in self.result.numerics):
+                break  # the outcome is decided; the remaining phases would only add evidence
+        bad = [c for c in self.result.numerics if not c["within_tolerance"]]
+        mism = [c for c in self.result.numerics if c["vs_stable_within"] is False]
+        if bad:
+            c = bad[0]
+            self.result.outcome = "numeric_error"
+            self.notes.append(f"{len(bad)} numeric check(s) over tolerance; first: {c['kind']}"
+                              f"{'/' + c['case'] if c['case'] else ''} {c['op']} {c['dtype']} {c['shape']} "
+                              f"max_abs_err={c['max_abs_err']:.3g} nonfinite={c['nonfinite']} unwritten={c['unwritten']}")
+        elif mism:
+            c = mism[0]
+            self.result.outcome = "mismatch"
+            self.notes.append(f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['kind']} {c['op']} "
+                              f"{c['dtype']} {c['shape']} max |candidate-stable|={c['vs_stable_max_abs']:.3g}")
+        elif memo is not None and passed is None:
+            memo.record(sum(1 for c in self.result.numerics if c["kind"] in NumericsMemo.KINDS), self.spec.seed)
+
+    def _golden(self) -> None:
         from kernelpack.harness.golden import check_golden
+
+        with self.phase("golden"):  # the stable version's vectors bind the candidate too
+            for bundle, kind in ((self.cand_bundle, "golden"), (self.stable_bundle, "stable_golden")):
+                for g in bundle.manifest.golden if bundle is not None else []:
+                    if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
+                        continue
+                    blob = (bundle.root / g.path).read_bytes()
+                    self._record(check_golden(self._contract(g.op), self.cand[g.op][1], blob, device=self.device),
+                                 kind)
+
+    def _fuzz(self) -> None:
         from kernelpack.harness.numerics import check_numerics, fuzz_shapes
 
         spec = self.spec
-        with self.phase("golden"):
-            for g in self.cand_bundle.manifest.golden:
-                if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
-                    continue
-                op, cfg = self.cand[g.op]
-                blob = (self.cand_bundle.root / g.path).read_bytes()
-                self._record(check_golden(self._contract(g.op), cfg, blob, device=self.device), "golden")
-            if self.stable_bundle is not None:  # the stable version's vectors bind the candidate too
-                for g in self.stable_bundle.manifest.golden:
-                    if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
-                        continue
-                    blob = (self.stable_bundle.root / g.path).read_bytes()
-                    self._record(check_golden(self._contract(g.op), self.cand[g.op][1], blob, device=self.device),
-                                 "stable_golden")
         rng = random.Random(spec.seed)
         with self.phase("fuzz"):
             for k, name in enumerate(sorted(self.cand)):
@@ -233,6 +262,9 @@ class Worker:
                     shapes = fuzz_shapes(op, spec.fuzz_shapes, rng)
                     self._record(check_numerics(self._contract(name), cfg, dtype, shapes, device=self.device,
                                                 seed=spec.seed + 1000 * k + 100 * j, against=against), "fuzz")
+
+    def _edge(self) -> None:
+        from kernelpack.harness.edge import check_edge
         from kernelpack.kernels.spec import DomainError
 
         with self.phase("edge"):  # edge values, every op and dtype of its domain, small shape
@@ -249,6 +281,11 @@ class Worker:
                         continue
                     for o in outs:
                         self._record([o.result], "edge", o.case)
+
+    def _production(self) -> None:
+        from kernelpack.harness.edge import check_production
+        from kernelpack.kernels.spec import DomainError
+
         with self.phase("production"):  # the shapes the latency phase times, candidate vs stable
             for name in sorted(self.cand):
                 op, cfg = self.cand[name]
@@ -266,24 +303,6 @@ class Worker:
                     self._record(res, "production")
                     if self.device.type == "cuda":
                         torch_empty_cache()
-        bad = [c for c in self.result.numerics if not c["within_tolerance"]]
-        if bad:
-            c = bad[0]
-            self.result.outcome = "numeric_error"
-            self.notes.append(
-                f"{len(bad)} numeric check(s) over tolerance; first: {c['kind']}{'/' + c['case'] if c['case'] else ''}"
-                f" {c['op']} {c['dtype']} {c['shape']} max_abs_err={c['max_abs_err']:.3g} "
-                f"nonfinite={c['nonfinite']} unwritten={c['unwritten']}"
-            )
-            return
-        mism = [c for c in self.result.numerics if c["vs_stable_within"] is False]
-        if mism:
-            c = mism[0]
-            self.result.outcome = "mismatch"
-            self.notes.append(
-                f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['kind']} {c['op']} {c['dtype']} "
-                f"{c['shape']} max |candidate-stable|={c['vs_stable_max_abs']:.3g}"
-            )
 
     def _production_shapes(self, op: Any, dtype: str) -> list[dict[str, int]]:
         """GPU: every shape the latency phase times. CPU (interpreter): the small test shape at the profile's
@@ -515,7 +534,6 @@ class Worker:
                     f"decoder block with candidate kernels: max abs error {res.max_abs_err_b:.3g} over the "
                     f"bound (stable {res.max_abs_err_a:.3g}, eager {res.eager_max_abs_err:.3g})"
                 )
-
 
     def _model_e2e(self) -> None:
         """Stable vs candidate on the profile's model (kernelpack.harness.model_e2e): TTFT at the prefill
