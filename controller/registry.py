@@ -28,6 +28,15 @@ INVENTORY_FIELDS = ("gpu_name", "compute_capability", "arch", "driver_version", 
                     "torch_version", "memory_total_mb", "labels")
 
 
+def _insert(session: Session, row: object, conflict: str) -> None:
+    """Insert ``row`` in a savepoint; losing a race with a concurrent insert of the same key is Conflict."""
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        raise Conflict(conflict) from None
+
+
 def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: Path | TrustedKeys,
                     limits: Limits | None = None) -> Bundle:
     """Verify a .kpack (signature by a trusted key, manifest, every file digest) and store it.
@@ -61,11 +70,7 @@ def register_bundle(session: Session, data: bytes, *, actor: str, trusted_keys: 
                      triton=m.targets.triton, torch=m.targets.torch)
         for a in m.targets.archs
     ]
-    try:
-        with session.begin_nested():
-            session.add(bundle)
-    except IntegrityError:
-        raise Conflict(f"{ref} (or its digest) was registered concurrently; retry the push") from None
+    _insert(session, bundle, f"{ref} (or its digest) was registered concurrently; retry the push")
     record_event(session, actor=actor, action="bundle.registered", subject=f"bundle:{ref}", bundle=ref,
                  payload={"digest": vb.digest, "signer_key_id": vb.key_id, "size_bytes": len(data),
                           "archs": list(m.targets.archs), "parent": m.parent, "fault_fixture": m.fault_fixture})
@@ -94,11 +99,7 @@ def register_node(session: Session, node_name: str, inventory: wire.Inventory, a
     if node is None:
         node = Node(name=node_name, registered_at=now, last_heartbeat_at=now, state="active",
                     **inventory.model_dump())
-        try:
-            with session.begin_nested():
-                session.add(node)
-        except IntegrityError:
-            raise Conflict(f"node {node_name} was registered concurrently; nothing was changed") from None
+        _insert(session, node, f"node {node_name} was registered concurrently; nothing was changed")
         record_event(session, actor=actor, action="node.registered", subject=f"node:{node_name}", node=node_name,
                      payload=inventory.model_dump())
         return node
