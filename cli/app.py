@@ -25,6 +25,7 @@ from cli.serve import serve_cmd
 from cli.token import token_app
 from cli.transition import pause_cmd, promote_cmd, resume_cmd, rollback_cmd
 from kernelctl import __version__
+from sim.fleet.cli import fleet_command
 from sim.judge.cli import sim_app
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ app.add_typer(bundle_app, name="bundle")
 bundle_registry.register(bundle_app)
 bundle_bench.register(bundle_app)
 app.add_typer(sim_app, name="sim")
+sim_app.command("fleet")(fleet_command)
 app.command("audit")(audit)
 app.command("agent")(agent_command)
 app.command("serve")(serve_cmd)
@@ -54,29 +56,6 @@ app.command("pause")(pause_cmd)
 app.command("resume")(resume_cmd)
 app.command("nodes")(nodes_cmd)
 app.command("compat")(compat_cmd)
-
-
-def _mount_sim_fleet() -> None:
-    """``kernelctl sim fleet``: the fleet simulator's command (sim/fleet/cli.py, once it is there)."""
-    try:
-        from sim.fleet import cli as fleet_cli
-    except ImportError:  # the simulator still in its old home: it registers itself
-        from controller.sim_fleet import register
-
-        register(sim_app)
-        return
-    command = getattr(fleet_cli, "fleet_command", None)
-    sub = getattr(fleet_cli, "app", None)
-    if command is None and isinstance(sub, typer.Typer) and sub.registered_callback is None \
-            and len(sub.registered_commands) == 1:
-        command = sub.registered_commands[0].callback
-    if command is not None:
-        sim_app.command("fleet")(command)
-    elif isinstance(sub, typer.Typer):
-        sim_app.add_typer(sub, name="fleet")
-
-
-_mount_sim_fleet()
 
 
 @app.command("version")

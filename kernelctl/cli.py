@@ -1,5 +1,5 @@
 """Temporary re-export (issue 15): the root app moved to :mod:`cli.app`; delete once nothing runs
-``python -m kernelctl.cli`` (tests/e2e/test_demo.py, controller/sim_fleet.py)."""
+``python -m kernelctl.cli`` (tests/e2e/test_demo.py)."""
 
 from cli.app import app
 
