@@ -26,6 +26,7 @@ from controller.errors import Conflict
 from controller.gates import Decision, StepEvidence, as_utc, decide, hard_failures, step_evidence
 from controller.plan import load_plan
 from kernelctl.settings import Settings
+from kernelctl.vocab import ACTIVE_STATES
 
 log = logging.getLogger(__name__)
 ACTOR = rollouts.SYSTEM_ACTOR
@@ -109,7 +110,7 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings) -> TickR
     result.stale_nodes = mark_stale(session, now, settings.stale_after_seconds)
 
     live = list(session.scalars(
-        select(Rollout).where(Rollout.state.in_(("pending", "progressing", "paused")))
+        select(Rollout).where(Rollout.state.in_(ACTIVE_STATES))
         .options(selectinload(Rollout.strata), selectinload(Rollout.bundle)).order_by(Rollout.id)))
     for r in [r for r in live if r.state == "pending"]:
         if _guarded(session, result, r.id, lambda r=r: _begin(session, r, now)):
