@@ -36,7 +36,15 @@ from controller.db.models import (
 )
 from controller.errors import ConcurrentWrite, Conflict, Invalid, NotFound
 from controller.plan import PlanSpec, load_plan
-from kernelctl.vocab import ACTIVE_STATES, TERMINAL_STATES
+from kernelctl.vocab import (
+    ACTIVE_STATES,
+    PAUSED,
+    PENDING,
+    PROGRESSING,
+    PROMOTED,
+    ROLLED_BACK,
+    TERMINAL_STATES,
+)
 
 REF_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,127})@(\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)$")
 SYSTEM_ACTOR = "controller"
@@ -102,10 +110,10 @@ def _event(session: Session, rollout: Rollout, action: str, *, actor: str, reaso
 def summarise(rollout: Rollout) -> str:
     """The rollout state implied by its strata."""
     states = {s.state for s in rollout.strata}
-    for st in ("progressing", "paused", "pending"):
+    for st in (PROGRESSING, PAUSED, PENDING):
         if st in states:
             return st
-    return "promoted" if "promoted" in states else "rolled_back"
+    return PROMOTED if PROMOTED in states else ROLLED_BACK
 
 
 def _sync_summary(rollout: Rollout) -> None:
@@ -184,7 +192,7 @@ def start_rollout(
         raise ContractChange(
             f"{bundle.ref} changes the numeric contract of {first_ref}: {first[0]}"
             f"{f' (and {more} more)' if more else ''}; start it with accept_contract_change (a reason) to accept")
-    rollout = Rollout(bundle=bundle, state="pending", step_index=0, plan=plan.model_dump(mode="json"),
+    rollout = Rollout(bundle=bundle, state=PENDING, step_index=0, plan=plan.model_dump(mode="json"),
                       created_by=actor, created_at=now, updated_at=now, reason=reason, forced=force)
     rollout.steps = [
         RolloutStep(index=i, nodes=st.nodes, percent=st.percent, bake_seconds=st.bake_seconds,
@@ -192,7 +200,7 @@ def start_rollout(
         for i, st in enumerate(plan.steps)
     ]
     rollout.strata = [
-        RolloutStratum(stratum=s, baseline_bundle_id=stable.get(s), state="pending", step_index=0,
+        RolloutStratum(stratum=s, baseline_bundle_id=stable.get(s), state=PENDING, step_index=0,
                        step_started_at=now)
         for s in chosen
     ]
@@ -216,11 +224,11 @@ def _ref_of(session: Session, bundle_id: int | None) -> str | None:
 def begin(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, reason: str | None = None
           ) -> dict[str, assignments.StepAssignment]:
     """pending -> progressing at step 0: pick and switch the first canaries."""
-    if rollout.state != "pending":
+    if rollout.state != PENDING:
         raise Conflict(f"rollout {rollout.id} is {rollout.state}, not pending")
-    rows = [s for s in rollout.strata if s.state == "pending"]
+    rows = [s for s in rollout.strata if s.state == PENDING]
     for s in rows:
-        s.state, s.step_index, s.step_started_at = "progressing", 0, now
+        s.state, s.step_index, s.step_started_at = PROGRESSING, 0, now
     sized = assignments.assign_step(session, rollout, rows, load_plan(rollout.plan), now=now)
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -237,7 +245,7 @@ def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
         promote_stratum(session, rollout, row, actor=actor, now=now, reason=reason)
         return "promote", None
     row.step_index += 1
-    row.state, row.step_started_at = "progressing", now
+    row.state, row.step_started_at = PROGRESSING, now
     sized = assignments.assign_step(session, rollout, [row], plan, now=now)[row.stratum]
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -249,7 +257,7 @@ def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
 def promote_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, now: dt.datetime,
                     reason: str | None = None) -> None:
     """The candidate becomes the stable version of this stratum."""
-    row.state, row.reason = "promoted", reason
+    row.state, row.reason = PROMOTED, reason
     nodes = assignments.make_stable(session, rollout, row.stratum, now=now)
     _event(session, rollout, "rollout.stratum_promoted", actor=actor, reason=reason,
            payload={"stratum": row.stratum, "step": row.step_index, "nodes": nodes})
@@ -263,9 +271,9 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
         return 0
     names = {r.stratum for r in rows}
     for r in rows:
-        r.state, r.reason = "rolled_back", reason
+        r.state, r.reason = ROLLED_BACK, reason
     everything = all(s.state in TERMINAL_STATES for s in rollout.strata) and not any(
-        s.state == "promoted" for s in rollout.strata)
+        s.state == PROMOTED for s in rollout.strata)
     reverted = assignments.revert_to_stable(session, rollout.id, None if everything else names, now=now)
     if mark_incompatible:
         existing = set(session.scalars(select(Incompatibility.stratum).where(
@@ -282,11 +290,11 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
 
 def pause_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, reason: str,
                   now: dt.datetime) -> None:
-    row.state, row.reason = "paused", reason
+    row.state, row.reason = PAUSED, reason
     before = rollout.state
     _sync_summary(rollout)
     _touch(rollout, now)
-    action = "rollout.paused" if rollout.state == "paused" and before != "paused" else "rollout.stratum_paused"
+    action = "rollout.paused" if rollout.state == PAUSED and before != PAUSED else "rollout.stratum_paused"
     _event(session, rollout, action, actor=actor, reason=reason, payload={"stratum": row.stratum,
                                                                            "step": row.step_index})
 
@@ -297,10 +305,10 @@ def _finish_if_done(session: Session, rollout: Rollout, *, actor: str, now: dt.d
     _touch(rollout, now)
     if rollout.state == before or rollout.state not in TERMINAL_STATES:
         return
-    if rollout.state == "promoted":
+    if rollout.state == PROMOTED:
         _event(session, rollout, "rollout.promoted", actor=actor, reason=reason, payload={
-            "promoted": [s.stratum for s in rollout.strata if s.state == "promoted"],
-            "rolled_back": [s.stratum for s in rollout.strata if s.state == "rolled_back"]})
+            "promoted": [s.stratum for s in rollout.strata if s.state == PROMOTED],
+            "rolled_back": [s.stratum for s in rollout.strata if s.state == ROLLED_BACK]})
         return
     _event(session, rollout, "rollout.rolled_back", actor=actor, reason=reason,
            payload={"strata": [s.stratum for s in rollout.strata]})
@@ -325,7 +333,7 @@ def _live_rows(rollout: Rollout) -> list[RolloutStratum]:
 
 def position(rollout: Rollout) -> int:
     """The step a promote moves a rollout *from*: its step index, -1 while it is pending (not started)."""
-    return -1 if rollout.state == "pending" else rollout.step_index
+    return -1 if rollout.state == PENDING else rollout.step_index
 
 
 @guarded
@@ -349,18 +357,18 @@ def promote(
     """
     now = now or utcnow()
     rollout = get_rollout(session, rollout_id, lock=True)
-    if rollout.state == "rolled_back":
+    if rollout.state == ROLLED_BACK:
         raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
                        "start a new rollout (with force for a revoked version)")
-    if from_step is not None and (rollout.state == "promoted" or position(rollout) != from_step):
-        at = "promoted (terminal)" if rollout.state == "promoted" else (
+    if from_step is not None and (rollout.state == PROMOTED or position(rollout) != from_step):
+        at = "promoted (terminal)" if rollout.state == PROMOTED else (
             f"{rollout.state} at step {position(rollout)}")
         raise Conflict(f"rollout {rollout_id} is {at}, not at step {from_step}: it was already promoted from "
                        f"step {from_step} or changed meanwhile; nothing was changed (check `kernelctl rollout "
                        f"status {rollout_id}`)")
-    if rollout.state == "promoted":
+    if rollout.state == PROMOTED:
         return rollout
-    if rollout.state == "pending":
+    if rollout.state == PENDING:
         begin(session, rollout, actor=actor, now=now, reason=reason)
         if not full:
             flush(session, f"rollout {rollout_id}")
@@ -397,9 +405,9 @@ def rollback(
     if not reason or not reason.strip():
         raise Invalid("a rollback needs a reason (it is recorded in the changelog)")
     rollout = get_rollout(session, rollout_id, lock=True)
-    if rollout.state == "promoted":
+    if rollout.state == PROMOTED:
         raise Conflict(f"rollout {rollout_id} is promoted (terminal): roll forward with a new rollout instead")
-    if rollout.state == "rolled_back":
+    if rollout.state == ROLLED_BACK:
         return rollout
     by_name = {s.stratum: s for s in rollout.strata}
     if strata is None:
@@ -413,7 +421,7 @@ def rollback(
         if unknown:
             raise Invalid(f"rollout {rollout_id} has no stratum {', '.join(unknown)} "
                           f"(it has {', '.join(sorted(by_name))})")
-        done = [s for s in wanted if by_name[s].state == "promoted"]
+        done = [s for s in wanted if by_name[s].state == PROMOTED]
         if done:
             raise Conflict(f"stratum {', '.join(done)} of rollout {rollout_id} is already promoted")
         rows = [by_name[s] for s in wanted if by_name[s].state in ACTIVE_STATES]
@@ -430,13 +438,13 @@ def pause(session: Session, rollout_id: int, *, actor: str, reason: str | None =
     """progressing -> paused: canaries stay as they are, nothing widens or is judged for latency."""
     now = now or utcnow()
     rollout = get_rollout(session, rollout_id)
-    if rollout.state == "paused":
+    if rollout.state == PAUSED:
         return rollout
-    if rollout.state != "progressing":
+    if rollout.state != PROGRESSING:
         raise Conflict(f"rollout {rollout_id} is {rollout.state}: only a progressing rollout can be paused")
     for s in rollout.strata:
-        if s.state == "progressing":
-            s.state, s.reason = "paused", reason or "paused by operator"
+        if s.state == PROGRESSING:
+            s.state, s.reason = PAUSED, reason or "paused by operator"
     _sync_summary(rollout)
     _touch(rollout, now)
     _event(session, rollout, "rollout.paused", actor=actor, reason=reason)
@@ -450,14 +458,14 @@ def resume(session: Session, rollout_id: int, *, actor: str, reason: str | None 
     """paused -> progressing; each resumed stratum starts a fresh evidence window (bake, samples, deadline)."""
     now = now or utcnow()
     rollout = get_rollout(session, rollout_id)
-    if rollout.state == "progressing":
+    if rollout.state == PROGRESSING:
         return rollout
-    if rollout.state != "paused":
+    if rollout.state != PAUSED:
         raise Conflict(f"rollout {rollout_id} is {rollout.state}: only a paused rollout can be resumed")
     resumed = []
     for s in rollout.strata:
-        if s.state == "paused":
-            s.state, s.reason, s.step_started_at = "progressing", None, now
+        if s.state == PAUSED:
+            s.state, s.reason, s.step_started_at = PROGRESSING, None, now
             resumed.append(s.stratum)
     _sync_summary(rollout)
     _touch(rollout, now)

@@ -26,7 +26,7 @@ from controller.errors import Conflict
 from controller.gates import Decision, StepEvidence, as_utc, decide, hard_failures, step_evidence
 from controller.plan import load_plan
 from kernelctl.settings import Settings
-from kernelctl.vocab import ACTIVE_STATES
+from kernelctl.vocab import ACTIVE_STATES, PAUSED, PENDING, PROGRESSING
 
 log = logging.getLogger(__name__)
 ACTOR = rollouts.SYSTEM_ACTOR
@@ -112,15 +112,15 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings) -> TickR
     live = list(session.scalars(
         select(Rollout).where(Rollout.state.in_(ACTIVE_STATES))
         .options(selectinload(Rollout.strata), selectinload(Rollout.bundle)).order_by(Rollout.id)))
-    for r in [r for r in live if r.state == "pending"]:
+    for r in [r for r in live if r.state == PENDING]:
         if _guarded(session, result, r.id, lambda r=r: _begin(session, r, now)):
             result.started.append(r.id)
             result.verdicts_written += sum(1 for s in r.strata if s.reason == _CLAMPED)
 
-    rows = [(r, s) for r in live if r.state in ("progressing", "paused")
-            for s in r.strata if s.state in ("progressing", "paused")]
+    rows = [(r, s) for r in live if r.state in (PROGRESSING, PAUSED)
+            for s in r.strata if s.state in (PROGRESSING, PAUSED)]
     hard = hard_failures(session, {(r.id, s.stratum) for r, s in rows if s.first_failure_at is not None})
-    evidence = step_evidence(session, [s.id for r, s in rows if s.state == "progressing"])
+    evidence = step_evidence(session, [s.id for r, s in rows if s.state == PROGRESSING])
     counts = assignments.canary_counts(session, sorted({r.id for r, _ in rows}))
     last = _last_verdicts(session, sorted({r.id for r, _ in rows}))
 
@@ -129,7 +129,7 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings) -> TickR
     for r, s in rows:
         key = (r.id, s.stratum)
         plan = plans.setdefault(r.id, load_plan(r.plan))
-        if s.state == "paused" and key not in hard:
+        if s.state == PAUSED and key not in hard:
             continue  # paused: only hard gates are still enforced
         step = plan.steps[min(s.step_index, len(plan.steps) - 1)]
         d = decide(s, step, plan, now, hard=hard.get(key), ev=evidence.get(key) or StepEvidence(), canaries=counts.get(key, 0))
@@ -144,7 +144,7 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings) -> TickR
     result.rollouts_by_state = dict(session.execute(
         select(Rollout.state, func.count()).group_by(Rollout.state)).all())
     oldest = session.scalar(select(func.min(RolloutStratum.step_started_at))
-                            .where(RolloutStratum.state == "progressing"))
+                            .where(RolloutStratum.state == PROGRESSING))
     result.max_step_age_seconds = max(0.0, (now - as_utc(oldest)).total_seconds()) if oldest else 0.0
     result.duration_seconds = time.perf_counter() - t0
     return result
@@ -185,7 +185,7 @@ def _guarded(session: Session, result: TickResult, rollout_id: int, fn: Any) -> 
 def _apply(session: Session, r: Rollout, decided: list[tuple[RolloutStratum, Decision]], now: dt.datetime,
            plan: Any, last: dict, counts: dict, hard: dict, result: TickResult) -> None:
     for s, d in decided:
-        if s.state not in ("progressing", "paused"):
+        if s.state not in (PROGRESSING, PAUSED):
             continue  # changed by an earlier decision of this rollout
         step_index = s.step_index
         if d.decision == "hold" and counts.get((r.id, s.stratum), 0) == 0:
