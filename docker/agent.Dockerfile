@@ -26,6 +26,8 @@ COPY kernelctl/ kernelctl/
 COPY kernelpack/ kernelpack/
 COPY controller/ controller/
 COPY agents/ agents/
+COPY cli/ cli/
+COPY sim/ sim/
 COPY migrations/ migrations/
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
  && python -m pip install --constraint /tmp/torch-constraint.txt . \

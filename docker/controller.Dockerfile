@@ -29,6 +29,8 @@ COPY kernelctl/ kernelctl/
 COPY kernelpack/ kernelpack/
 COPY controller/ controller/
 COPY agents/ agents/
+COPY cli/ cli/
+COPY sim/ sim/
 COPY migrations/ migrations/
 # pin the torch just installed so resolving the project can never swap it for a CUDA build
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \

@@ -268,18 +268,17 @@ class ServeProcess:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (graceful) and wait; SIGKILL if it does not exit in ``timeout``. Its exit code."""
-        if self.proc is None:
-            return None
-        rc = terminate(self.proc, timeout)
-        self.proc = None
-        if not self.reuse_port:
-            self.port = None
+        rc = None if self.proc is None else terminate(self.proc, timeout)
+        self._ended()
         return rc
 
     def kill(self) -> None:
         """SIGKILL (a crash at an arbitrary instant)."""
         if self.proc is not None:
             kill(self.proc)
+        self._ended()
+
+    def _ended(self) -> None:
         self.proc = None
         if not self.reuse_port:
             self.port = None
