@@ -180,3 +180,11 @@ def test_no_module_over_600_lines(limit: int) -> None:
                 if n > limit:
                     big.append(f"{path.relative_to(ROOT)}: {n} lines")
     assert not big, f"modules over {limit} lines (split them by job):\n" + "\n".join(big)
+
+
+def test_images_copy_every_package() -> None:
+    """Each container image copies every package the console script needs (a new layer is not forgotten)."""
+    for dockerfile in sorted((ROOT / "docker").glob("*.Dockerfile")):
+        text = dockerfile.read_text()
+        missing = [p for p in PACKAGES if f"COPY {p}/ {p}/" not in text]
+        assert not missing, f"{dockerfile.name} does not copy {', '.join(missing)}"
