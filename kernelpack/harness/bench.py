@@ -81,8 +81,10 @@ def median_time(
     rep_ms: float = 100.0,
     min_reps: int = 5,
     max_reps: int = 1000,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median wall time of ``fn()`` in seconds.
+    """Median wall time of ``fn()`` in seconds (CPU: as read by ``timer``, e.g. ``time.thread_time`` for the
+    calling thread's CPU time, which neighbours on a shared machine do not inflate).
 
     CUDA: ``triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")``.
     CPU: one warm-up call, then repeated calls until ``rep_ms`` has elapsed and at least ``min_reps`` calls
@@ -98,9 +100,9 @@ def median_time(
     budget = rep_ms / 1e3
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget):
-        t0 = time.perf_counter()
+        t0 = timer()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(timer() - t0)
     return statistics.median(times)
 
 
@@ -125,6 +127,7 @@ def paired_latency(
     rounds: int,
     seed: int,
     rep_ms: float | None = None,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> list[LatencyPair]:
     """Interleaved stable/candidate latency: per round and shape, ABBA order on the same inputs.
 
@@ -142,7 +145,7 @@ def paired_latency(
     dev = resolve_device(device)
     if rep_ms is None:
         rep_ms = 20.0 if _is_cuda(dev) else 0.0
-    timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": 3}
+    timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": 3, "timer": timer}
     prepared = []
     for i, shape in enumerate(shapes):
         for op in (s_op, c_op):
