@@ -2,7 +2,7 @@
 
 Generation: one row (``desired_generation``) bumped by every commit that changes what some node should run
 or what the controller knows it runs (assignments, rollouts, their strata, stable versions, a node's state or
-inventory, a new node). :func:`install_generation_hooks` adds the bump to a sessionmaker: the commit's
+inventory; not a new node: a replica that meets a node it does not know reloads on its own). :func:`install_generation_hooks` adds the bump to a sessionmaker: the commit's
 flushes and bulk statements mark the session, and right before COMMIT one ``UPDATE ... RETURNING`` takes the
 next value (the row lock is held only for the commit, so generations are ordered like the commits) and, on
 PostgreSQL, ``pg_notify('kernelctl_desired', value)`` wakes every replica when the transaction commits.
@@ -80,22 +80,26 @@ def install_generation_hooks(factory: sessionmaker[Session], on_commit: Callable
             if table in RELEVANT_TABLES and (obj not in session.dirty or session.is_modified(obj)):
                 _mark(session)
                 return
-            if table == "nodes" and (obj in session.new or obj in session.deleted or _node_changed(obj)):
+            # a new node is not a change of desired state: the hub loads nodes it does not know on its own
+            if table == "nodes" and obj not in session.new and (obj in session.deleted or _node_changed(obj)):
                 _mark(session)
                 return
 
     @event.listens_for(factory, "do_orm_execute")
-    def _orm_execute(state: Any) -> None:
-        if not (state.is_update or state.is_insert or state.is_delete):
-            return
+    def _orm_execute(state: Any) -> Any:
+        if state.session.info.get(DIRTY) or not (state.is_update or state.is_insert or state.is_delete):
+            return None
         table = getattr(getattr(state.statement, "table", None), "name", None)
-        if table in RELEVANT_TABLES:
-            _mark(state.session)
-        elif table == "nodes":
+        if table == "nodes":
             values = getattr(state.statement, "_values", None) or {}
-            keys = {getattr(k, "key", k) for k in values}
-            if not keys or keys - {"last_heartbeat_at"}:
-                _mark(state.session)
+            if {getattr(k, "key", k) for k in values} <= {"last_heartbeat_at"} and values:
+                return None  # liveness only
+        elif table not in RELEVANT_TABLES:
+            return None
+        result = state.invoke_statement()
+        if state.is_insert or result.rowcount != 0:  # an UPDATE that matched nothing changed nothing
+            _mark(state.session)
+        return result
 
     @event.listens_for(factory, "before_commit")
     def _before_commit(session: Session) -> None:

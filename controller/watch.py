@@ -88,6 +88,8 @@ class DesiredHub:
         self._tasks: list[asyncio.Task[None]] = []
         self._liveness: dict[int, dt.datetime] = {}
         self._pending_writes = 0
+        self._unknown = False  # a heartbeat came from a node the snapshot does not know (new since)
+        self.unknown_reload_seconds = 1.0
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._postgres = factory.kw["bind"].dialect.name == "postgresql"
@@ -113,6 +115,11 @@ class DesiredHub:
         for events in self._waiters.values():
             for ev in events:
                 ev.set()
+
+    def loop_call(self, fn: Any, delay: float) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_later(delay, fn)
 
     def poke(self, generation: int | None = None) -> None:
         """Ask for a reload (thread-safe): a commit here, a NOTIFY, or a request that is ahead of us."""
@@ -147,13 +154,14 @@ class DesiredHub:
         with self.factory() as session:
             gen = read_generation(session)
             session.rollback()
-        if gen == self.snapshot.generation:
+        unknown, self._unknown = self._unknown, False
+        if gen == self.snapshot.generation and not unknown:
             return None
         return load_snapshot(self.factory)
 
     def _install(self, snap: Snapshot) -> None:
         old = self.snapshot
-        if snap.generation <= old.generation and old.generation >= 0:
+        if snap.generation < old.generation:
             return
         changed: list[str] = []
         for name, node in snap.nodes.items():
@@ -273,17 +281,24 @@ class DesiredHub:
             snap = self.snapshot
             node = snap.nodes.get(req.node_name)
             if node is None or snap.generation < (req.generation or 0) or not snap.fast_path(node, req):
+                if node is None and not self._unknown:  # registered after the snapshot: load it soon
+                    self._unknown = True
+                    self.loop_call(self._poke.set, delay=self.unknown_reload_seconds)
                 reply, gen = await self.slow(slow_path, req)
-                return reply.model_copy(update={"generation": gen}), held, "slow"
-            mine = self.node_gen.get(req.node_name, snap.generation)
+                if req.generation is None or gen > req.generation or deadline - time.monotonic() <= 0:
+                    return reply.model_copy(update={"generation": gen}), held, "slow"
+                mine = gen  # written, but nothing newer for the node: hold it like any watch
+            else:
+                mine = self.node_gen.get(req.node_name, snap.generation)
             left = deadline - time.monotonic()
-            if req.generation is None or req.generation < mine or left <= 0:
+            if node is not None and (req.generation is None or req.generation < mine or left <= 0):
                 now = dt.datetime.now(dt.timezone.utc)
                 self.note_alive(node.id, now)
                 return wire.HeartbeatResponse.model_construct(
                     node_name=req.node_name, desired=snap.desired(node), heartbeat_seconds=heartbeat_seconds,
                     server_time=now, generation=mine), held, "fast"
-            self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))  # liveness while it waits
+            if node is not None:
+                self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))  # liveness while it waits
             ev = asyncio.Event()
             self._waiters.setdefault(req.node_name, set()).add(ev)
             t0 = time.monotonic()

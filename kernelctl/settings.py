@@ -77,7 +77,7 @@ class Settings(BaseSettings):
                                   "headers; larger is refused with 431 (or 400 from h11 while still arriving).")
     max_connections: int = Field(16384, gt=0, description="Most concurrent connections and requests (503 over).")
     auth_cache_seconds: float = Field(
-        5.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
+        60.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
         "another replica (or with `kernelctl token revoke`) takes effect within this time.")
     api_docs: bool = Field(False, description="Serve /docs and /openapi.json (without a token). Off by default.")
 

@@ -35,7 +35,7 @@ from kernelctl import wire
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
 from sim.fleet.scenarios import FLEET_KINDS, TRITON_VERSION, stratum_of
 
-SHARD = 64  # agents per httpx.AsyncClient
+SHARD = 8  # agents per httpx.AsyncClient (its pool scans every connection on each request)
 MAX_TRIALS_PER_ROUND = 8
 
 
@@ -121,7 +121,9 @@ class Fleet:
         self.started = time.monotonic()  # when the agents were started (registration is timed from here)
         self.restart: dict[str, float] | None = None  # controller-restart scenario: when and how long
         n_shards = max(1, math.ceil(cfg.nodes / SHARD))
-        limits = httpx.Limits(max_connections=2 * SHARD + 2, max_keepalive_connections=2 * SHARD + 2)
+        # idle connections are dropped before the controller's keep-alive timeout (5 s) closes them under us
+        limits = httpx.Limits(max_connections=2 * SHARD + 2, max_keepalive_connections=2 * SHARD + 2,
+                              keepalive_expiry=4.0)
         self.clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, pool=120.0))
                         for _ in range(n_shards)]
 

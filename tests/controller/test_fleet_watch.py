@@ -53,7 +53,7 @@ def test_generation_moves_with_desired_state_not_with_liveness(kit: Kit) -> None
     g0 = _gen(kit)
     kit.nodes(3)
     g1 = _gen(kit)
-    assert g1 > g0  # new nodes
+    assert g1 == g0  # new nodes: not a change of desired state (the hub loads unknown nodes on its own)
     with kit.tx() as s:  # liveness only: the batched flush's kind of write
         s.execute(update(Node).values(last_heartbeat_at=T0 + dt.timedelta(seconds=5)))
     assert _gen(kit) == g1
