@@ -2,7 +2,8 @@
 
 Steps: validate bundle.toml; collect each op's module (from the installed ``kernelpack.kernels`` package or a
 bundle-local ``kernels/<file>.py``) as ``kernels/<op>.py`` plus any sibling modules it imports relatively (a
-bundle-local module may import ``stable_<op>``: the installed ``kernelpack.kernels.<op>`` source, bundled);
+bundle-local module may import ``stable_<op>``: the installed ``kernelpack.kernels.<op>`` source, bundled, and
+the installed shared modules such as ``norm_common``, bundled too);
 check the import rules; import them under a throw-away private package; compile every ``OP.aot`` spec for every
 target arch (or the subset asked for) and every dtype of the op's domain (``kernelpack.aot``, cached); add golden vectors from
 ``kernelpack.harness.golden`` when it is installed; record sizes and sha256 of every member; sign the canonical
@@ -137,6 +138,9 @@ def collect_sources(src_dir: Path, source: BundleSource) -> tuple[dict[str, byte
                 # ``from . import stable_<op>``: the installed op module's source, bundled (and signed) under
                 # that name, so a small module can reuse the stable op and override only what it changes
                 sp = pkg_dir / f"{sib[len(STABLE_PREFIX):]}.py"
+            elif not sp.is_file() and (pkg_dir / f"{sib}.py").is_file():
+                # an installed shared module (``norm_common``, ``gelu_common``): bundled (and signed) too
+                sp = pkg_dir / f"{sib}.py"
             if not sp.is_file():
                 raise BuildError(f"kernel {k.op}: relative import of {sib!r} but {sp} does not exist")
             sdata = sp.read_bytes()

@@ -15,26 +15,14 @@ Self-contained bundle module.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-    launch_config,
-    module_op,
-)
+import kernelpack.kernels.spec as spec
 
 NAME = "flash_attn"
 LOG2E = 1.4426950408889634
@@ -114,42 +102,40 @@ def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale,
     tl.store(o_ptr + qo_offs, o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < seq)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    return launch_config(NAME, DEFAULT_CONFIG, config)
+_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
 
 
-def shape_of(inputs: Inputs) -> Shape:
+def shape_of(inputs: spec.Inputs) -> spec.Shape:
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     if q.dim() != 4:
-        raise DomainError(f"{NAME}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
+        raise spec.DomainError(f"{NAME}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.shape != q.shape:
-            raise DomainError(f"{NAME}: {name} shape {tuple(t.shape)} must equal q shape {tuple(q.shape)} "
+            raise spec.DomainError(f"{NAME}: {name} shape {tuple(t.shape)} must equal q shape {tuple(q.shape)} "
                               "(self-attention, no GQA)")
         if t.dtype != q.dtype or t.device != q.device:
-            raise DomainError(f"{NAME}: {name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
+            raise spec.DomainError(f"{NAME}: {name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
     b, h, s, d = q.shape
     if d not in HEAD_DIMS:
-        raise DomainError(f"{NAME}: head_dim={d} not supported; supported: {HEAD_DIMS}")
+        raise spec.DomainError(f"{NAME}: head_dim={d} not supported; supported: {HEAD_DIMS}")
     return {"batch": b, "heads": h, "seq": s, "head_dim": d}
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
     dims = (shape["batch"], shape["heads"], shape["seq"], shape["head_dim"])
     return {n: torch.randn(*dims, generator=gen, device=gen.device).to(device, dtype) for n in ("q", "k", "v")}
 
 
-def alloc_outputs(inputs: Inputs) -> Outputs:
+def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["q"]),)
 
 
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
     cfg = _config(config)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     DOMAIN.check(q.dtype, shape_of(inputs), inputs)
     (o,) = outs
-    if o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous():
-        raise ValueError(f"{NAME}: output must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    spec.check_outputs(NAME, outs, q)
     b, h, s, d = q.shape
     # short sequences (decode-sized prefill) get tiles no larger than the sequence: the configured
     # BLOCK_M/BLOCK_N are upper bounds, capped at max(16, next_power_of_2(seq))
@@ -165,61 +151,61 @@ def _causal(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()
 
 
-def reference(inputs: Inputs) -> Outputs:
+def reference(inputs: spec.Inputs) -> spec.Outputs:
     q, k, v = (inputs[n].double() for n in ("q", "k", "v"))
     sc = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
     sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
     return (torch.softmax(sc, dim=-1) @ v,)
 
 
-def eager(inputs: Inputs) -> Outputs:
+def eager(inputs: spec.Inputs) -> spec.Outputs:
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     sc = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
     return (torch.softmax(sc.float(), dim=-1).to(q.dtype) @ v,)
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     es = torch.empty((), dtype=dtype).element_size()
     return 4 * shape["batch"] * shape["heads"] * shape["seq"] * shape["head_dim"] * es
 
 
-def flops(shape: Shape) -> int:
+def flops(shape: spec.Shape) -> int:
     """Causal: half of the 4*b*h*s^2*d of full attention (two matmuls)."""
     return 2 * shape["batch"] * shape["heads"] * shape["seq"] ** 2 * shape["head_dim"]
 
 
-def fuzz(rng: random.Random) -> Shape:
+def fuzz(rng: random.Random) -> spec.Shape:
     return {"batch": rng.randint(1, 2), "heads": rng.randint(1, 2), "seq": rng.randint(1, 150),
             "head_dim": rng.choice(HEAD_DIMS)}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per supported head_dim (the GPU path: INTERPRETED=False)."""
     cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
+    p = spec.TRITON_DTYPES[dtype]
     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32",
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
-    return [AotSpec(_flash_attn_fwd, sig,
+    return [spec.AotSpec(_flash_attn_fwd, sig,
                     {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "INTERPRETED": False},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for d in HEAD_DIMS]
 
 
 HEAD_DIMS = (64, 128)
-DOMAIN = Domain(
+DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16"),
-    dims={"batch": DimRange(1, 4096), "heads": DimRange(1, 256), "seq": DimRange(1, 65536),
-          "head_dim": DimRange(64, 128, 64)},
+    dims={"batch": spec.DimRange(1, 4096), "heads": spec.DimRange(1, 256), "seq": spec.DimRange(1, 65536),
+          "head_dim": spec.DimRange(64, 128, 64)},
     notes="q, k, v (batch, heads, seq, head_dim) contiguous, one dtype (fp16/bf16), q_len == kv_len, "
     "no GQA, head_dim 64 or 128, scale 1/sqrt(head_dim), causal (top-left aligned); |q|, |k|, |v| <= 1e18 "
     "so that every score q.k fits in float32.",
     max_abs=1e18,
 )
 
-OP = module_op(
+OP = spec.module_op(
     globals(),
     description="causal flash-attention forward (online softmax, no scores in memory), head_dim 64/128",
-    tolerances={"fp16": Tolerance(4e-3, 4e-3), "bf16": Tolerance(2e-2, 2e-2)},
+    tolerances={"fp16": spec.Tolerance(4e-3, 4e-3), "bf16": spec.Tolerance(2e-2, 2e-2)},
     test_shapes=({"batch": 1, "heads": 2, "seq": 37, "head_dim": 64},
                  {"batch": 1, "heads": 1, "seq": 200, "head_dim": 128}),
     decode_shapes=tuple({"batch": 1, "heads": 32, "seq": t, "head_dim": 128} for t in (1, 16, 64, 256)),

@@ -9,26 +9,14 @@ One row per program, held in registers. Self-contained bundle module.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-    launch_config,
-    module_op,
-)
+import kernelpack.kernels.spec as spec
 
 NAME = "fp8_quant"
 FP8_MAX = 448.0
@@ -63,25 +51,24 @@ def _fp8_quant_fwd(x_ptr, q_ptr, s_ptr, n_rows, n_cols, fp8_max, min_scale,
     tl.store(s_ptr + rows, scale, mask=rmask)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    return launch_config(NAME, DEFAULT_CONFIG, config)
+_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
 
 
-def shape_of(inputs: Inputs) -> Shape:
+def shape_of(inputs: spec.Inputs) -> spec.Shape:
     x = inputs["x"]
     if x.dim() != 2:
-        raise DomainError(f"{NAME}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+        raise spec.DomainError(f"{NAME}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
     return {"tokens": x.shape[0], "hidden": x.shape[1]}
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
     t, h = shape["tokens"], shape["hidden"]
     x = torch.randn(t, h, generator=gen, device=gen.device)
     x = x * torch.exp(torch.randn(t, 1, generator=gen, device=gen.device))  # rows of different magnitude
     return {"x": x.to(device, dtype)}
 
 
-def alloc_outputs(inputs: Inputs) -> Outputs:
+def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     x = inputs["x"]
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
@@ -91,7 +78,7 @@ def _block_n(hidden: int) -> int:
     return max(16, triton.next_power_of_2(hidden))
 
 
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
     cfg = _config(config)
     x = inputs["x"]
     DOMAIN.check(x.dtype, shape_of(inputs), inputs)
@@ -108,52 +95,50 @@ def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
     )
 
 
-def reference(inputs: Inputs) -> Outputs:
+def reference(inputs: spec.Inputs) -> spec.Outputs:
     x = inputs["x"].double()
     scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
     return ((x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX), scale)
 
 
-def eager(inputs: Inputs) -> Outputs:
+def eager(inputs: spec.Inputs) -> spec.Outputs:
     x = inputs["x"].float()
     scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
     return ((x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     es = torch.empty((), dtype=dtype).element_size()
     return shape["tokens"] * shape["hidden"] * (es + 1) + 4 * shape["tokens"]
 
 
-def flops(shape: Shape) -> int:
-    return 4 * shape["tokens"] * shape["hidden"]
 
-
-def fuzz(rng: random.Random) -> Shape:
+def fuzz(rng: random.Random) -> spec.Shape:
     return {"tokens": rng.randint(1, 9), "hidden": 16 * rng.randint(1, 40)}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per row-block width BLOCK_N (next power of 2 of hidden) across the domain."""
     cfg = _config(config)
-    sig = {"x_ptr": TRITON_DTYPES[dtype], "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_rows": "i32",
+    sig = {"x_ptr": spec.TRITON_DTYPES[dtype], "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_rows": "i32",
            "n_cols": "i32", "fp8_max": "fp32", "min_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "ROUND_IN_FP32": "constexpr"}
     rng = DOMAIN.dims["hidden"]
     blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << k for k in range(4, 17)), rng.hi) if rng.lo <= v <= rng.hi})
-    return [AotSpec(_fp8_quant_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b, "ROUND_IN_FP32": False},
+    return [spec.AotSpec(_fp8_quant_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b, "ROUND_IN_FP32": False},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
 
 
-DOMAIN = Domain(
+DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(16, 16384, 16)},
+    dims={"tokens": spec.DimRange(1, 1 << 20), "hidden": spec.DimRange(16, 16384, 16)},
     notes="x (tokens, hidden) contiguous; hidden <= 16384 (a row lives in registers), a multiple of 16 "
     "(16-byte fp8 rows); fp8 output needs sm_89+ on GPU (e4m3fn, saturating at +-448).",
 )
 
-_TOL = Tolerance(2.0**-10, 2.0**-4 + 1e-4)
-OP = module_op(
+_TOL = spec.Tolerance(2.0**-10, 2.0**-4 + 1e-4)
+OP = spec.module_op(
     globals(),
+    flops=lambda shape: 4 * shape["tokens"] * shape["hidden"],
     description="per-token dynamic FP8 e4m3 quantization: (q, scales) with x ~= q * scales[:, None]",
     tolerances={"fp32": _TOL, "fp16": _TOL, "bf16": _TOL},
     test_shapes=({"tokens": 3, "hidden": 48}, {"tokens": 6, "hidden": 1040}),

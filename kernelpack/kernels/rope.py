@@ -10,31 +10,30 @@ BLOCK_T tokens x BLOCK_H heads of both q and k, loading cos/sin once per token. 
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-    launch_config,
-    module_op,
-)
+import kernelpack.kernels.spec as spec
 
 NAME = "rope"
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_T": 1, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_T": t, "BLOCK_H": h, "num_warps": w, "num_stages": 1} for t, h, w in ((1, 16, 4), (1, 32, 4), (1, 32, 8), (2, 32, 4), (4, 16, 4), (1, 8, 2), (1, 32, 2), (2, 16, 4))]
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, row, off, m, c, s, half, n_heads):
+    """One token's heads of q or k, rotate-half form: ``o = x * cos + rotate_half(x) * sin`` (fp32 math)."""
+    xp = x_ptr + row * n_heads + off
+    op = o_ptr + row * n_heads + off
+    x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + half, mask=m, other=0.0).to(tl.float32)
+    tl.store(op, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(op + half, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -49,48 +48,35 @@ def _rope_fwd(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_tokens, n_qh, n_
         c = tl.load(cos_ptr + t.to(tl.int64) * half + d, mask=tmask & dm, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + t.to(tl.int64) * half + d, mask=tmask & dm, other=0.0).to(tl.float32)[None, :]
         row = t.to(tl.int64) * (2 * half)  # int64 token base, int32 offsets inside the token
-        m = tmask & (h[:, None] < n_qh) & dm[None, :]
         off = h[:, None] * (2 * half) + d[None, :]
-        qp = q_ptr + row * n_qh + off
-        op = qo_ptr + row * n_qh + off
-        x1 = tl.load(qp, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(qp + half, mask=m, other=0.0).to(tl.float32)
-        tl.store(op, (x1 * c - x2 * s).to(qo_ptr.dtype.element_ty), mask=m)
-        tl.store(op + half, (x2 * c + x1 * s).to(qo_ptr.dtype.element_ty), mask=m)
-        m = tmask & (h[:, None] < n_kh) & dm[None, :]
-        kp = k_ptr + row * n_kh + off
-        op = ko_ptr + row * n_kh + off
-        x1 = tl.load(kp, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(kp + half, mask=m, other=0.0).to(tl.float32)
-        tl.store(op, (x1 * c - x2 * s).to(ko_ptr.dtype.element_ty), mask=m)
-        tl.store(op + half, (x2 * c + x1 * s).to(ko_ptr.dtype.element_ty), mask=m)
+        _rotate_heads(q_ptr, qo_ptr, row, off, tmask & (h[:, None] < n_qh) & dm[None, :], c, s, half, n_qh)
+        _rotate_heads(k_ptr, ko_ptr, row, off, tmask & (h[:, None] < n_kh) & dm[None, :], c, s, half, n_kh)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    return launch_config(NAME, DEFAULT_CONFIG, config)
+_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
 
 
-def shape_of(inputs: Inputs) -> Shape:
+def shape_of(inputs: spec.Inputs) -> spec.Shape:
     q, k, c, s = inputs["q"], inputs["k"], inputs["cos"], inputs["sin"]
     if q.dim() != 3 or k.dim() != 3:
-        raise DomainError(f"{NAME}: q and k must be 3-D (tokens, heads, head_dim), got {tuple(q.shape)}, "
+        raise spec.DomainError(f"{NAME}: q and k must be 3-D (tokens, heads, head_dim), got {tuple(q.shape)}, "
                           f"{tuple(k.shape)}")
     t, _, d = q.shape
     if k.shape[0] != t or k.shape[2] != d:
-        raise DomainError(f"{NAME}: k {tuple(k.shape)} must have q's tokens and head_dim {(t, d)}")
+        raise spec.DomainError(f"{NAME}: k {tuple(k.shape)} must have q's tokens and head_dim {(t, d)}")
     if d % 2:
-        raise DomainError(f"{NAME}: head_dim={d} must be even")
+        raise spec.DomainError(f"{NAME}: head_dim={d} must be even")
     for name, tab in (("cos", c), ("sin", s)):
         if tab.shape != (t, d // 2):
-            raise DomainError(f"{NAME}: {name} must have shape (tokens, head_dim // 2) = {(t, d // 2)}, "
+            raise spec.DomainError(f"{NAME}: {name} must have shape (tokens, head_dim // 2) = {(t, d // 2)}, "
                               f"got {tuple(tab.shape)}")
     for name, x in (("k", k), ("cos", c), ("sin", s)):
         if x.dtype != q.dtype or x.device != q.device:
-            raise DomainError(f"{NAME}: {name} ({x.dtype}, {x.device}) must match q ({q.dtype}, {q.device})")
+            raise spec.DomainError(f"{NAME}: {name} ({x.dtype}, {x.device}) must match q ({q.dtype}, {q.device})")
     return {"tokens": t, "q_heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": d}
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
     t, d = shape["tokens"], shape["head_dim"]
     g = gen.device
     pos = torch.randint(0, 32768, (t, 1), generator=gen, device=g).double()
@@ -104,11 +90,11 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: tor
     }
 
 
-def alloc_outputs(inputs: Inputs) -> Outputs:
+def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["q"]), torch.empty_like(inputs["k"]))
 
 
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
     cfg = _config(config)
     q, k, c, s = inputs["q"], inputs["k"], inputs["cos"], inputs["sin"]
     DOMAIN.check(q.dtype, shape_of(inputs), inputs)
@@ -133,57 +119,57 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def reference(inputs: Inputs) -> Outputs:
+def reference(inputs: spec.Inputs) -> spec.Outputs:
     q, k, c, s = (inputs[n].double() for n in ("q", "k", "cos", "sin"))
     return (_rotate(q, c, s), _rotate(k, c, s))
 
 
-def eager(inputs: Inputs) -> Outputs:
+def eager(inputs: spec.Inputs) -> spec.Outputs:
     c, s = inputs["cos"], inputs["sin"]
     return (_rotate(inputs["q"], c, s), _rotate(inputs["k"], c, s))
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     t, d = shape["tokens"], shape["head_dim"]
     es = torch.empty((), dtype=dtype).element_size()
     return (2 * t * (shape["q_heads"] + shape["kv_heads"]) * d + t * d) * es
 
 
-def flops(shape: Shape) -> int:
+def flops(shape: spec.Shape) -> int:
     return 3 * shape["tokens"] * (shape["q_heads"] + shape["kv_heads"]) * shape["head_dim"]
 
 
-def fuzz(rng: random.Random) -> Shape:
+def fuzz(rng: random.Random) -> spec.Shape:
     kv = rng.randint(1, 4)
     return {"tokens": rng.randint(1, 6), "q_heads": kv * rng.randint(1, 5), "kv_heads": kv,
             "head_dim": 16 * rng.randint(1, 8)}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per half-head-dim width HALF_P2 across the domain."""
     cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
+    p = spec.TRITON_DTYPES[dtype]
     sig = {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p, "qo_ptr": p, "ko_ptr": p, "n_tokens": "i32",
            "n_qh": "i32", "n_kh": "i32", "half": "i32",
            "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "HALF_P2": "constexpr"}
     rng = DOMAIN.dims["head_dim"]
     halves = sorted({triton.next_power_of_2(v // 2) for v in range(rng.lo, rng.hi + 1, rng.multiple_of)})
-    return [AotSpec(_rope_fwd, sig, {"BLOCK_T": cfg["BLOCK_T"], "BLOCK_H": cfg["BLOCK_H"], "HALF_P2": h},
+    return [spec.AotSpec(_rope_fwd, sig, {"BLOCK_T": cfg["BLOCK_T"], "BLOCK_H": cfg["BLOCK_H"], "HALF_P2": h},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for h in halves]
 
 
-DOMAIN = Domain(
+DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "q_heads": DimRange(1, 256), "kv_heads": DimRange(1, 256),
-          "head_dim": DimRange(16, 512, 16)},
+    dims={"tokens": spec.DimRange(1, 1 << 20), "q_heads": spec.DimRange(1, 256), "kv_heads": spec.DimRange(1, 256),
+          "head_dim": spec.DimRange(16, 512, 16)},
     notes="q (tokens, q_heads, head_dim), k (tokens, kv_heads, head_dim), cos/sin (tokens, head_dim/2), one "
     "dtype, contiguous; NeoX rotate-half layout over the whole head_dim (no partial rotary).",
 )
 
-OP = module_op(
+OP = spec.module_op(
     globals(),
     description="rotary embedding of q and k (rotate-half form) in one launch, out-of-place",
-    tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(2e-3, 2e-3), "bf16": Tolerance(1.6e-2, 1.6e-2)},
+    tolerances={"fp32": spec.Tolerance(1e-5, 1e-5), "fp16": spec.Tolerance(2e-3, 2e-3), "bf16": spec.Tolerance(1.6e-2, 1.6e-2)},
     test_shapes=({"tokens": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 32},
                  {"tokens": 2, "q_heads": 20, "kv_heads": 20, "head_dim": 48}),
     decode_shapes=tuple({"tokens": t, "q_heads": 32, "kv_heads": 8, "head_dim": 128} for t in (1, 16, 64, 256)),

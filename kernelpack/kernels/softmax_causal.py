@@ -9,31 +9,27 @@ program, held in registers (k <= 16384). Self-contained bundle module.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-    launch_config,
-    module_op,
-)
+import kernelpack.kernels.spec as spec
 
 NAME = "softmax_causal"
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "num_warps": 8, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
+
+
+DOMAIN = spec.Domain(
+    dtypes=("fp16", "bf16", "fp32"),
+    dims={"bh": spec.DimRange(1, 1 << 16), "q": spec.DimRange(1, 16384), "k": spec.DimRange(1, 16384)},
+    notes="scores (batch*heads, q, k) contiguous with k >= q (bottom-right causal alignment), k <= 16384 "
+    "(a row lives in registers), bh*q*k < 2**31; scale a 0-d float32 tensor on the same device.",
+)
 
 
 @triton.jit
@@ -54,30 +50,29 @@ def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < n_k))
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    return launch_config(NAME, DEFAULT_CONFIG, config)
+_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
 
 
-def shape_of(inputs: Inputs) -> Shape:
+def shape_of(inputs: spec.Inputs) -> spec.Shape:
     s, sc = inputs["scores"], inputs["scale"]
     if s.dim() != 3:
-        raise DomainError(f"{NAME}: scores must be 3-D (batch*heads, q, k), got shape {tuple(s.shape)}")
+        raise spec.DomainError(f"{NAME}: scores must be 3-D (batch*heads, q, k), got shape {tuple(s.shape)}")
     if sc.dim() != 0 or sc.dtype != torch.float32 or sc.device != s.device:
-        raise DomainError(f"{NAME}: scale must be a 0-d float32 tensor on {s.device}, got "
+        raise spec.DomainError(f"{NAME}: scale must be a 0-d float32 tensor on {s.device}, got "
                           f"shape {tuple(sc.shape)} {sc.dtype} on {sc.device}")
     bh, q, k = s.shape
     if k < q:
-        raise DomainError(f"{NAME}: k={k} < q={q}: the causal mask is bottom-right aligned and needs k >= q")
+        raise spec.DomainError(f"{NAME}: k={k} < q={q}: the causal mask is bottom-right aligned and needs k >= q")
     return {"bh": bh, "q": q, "k": k}
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
     s = 3.0 * torch.randn(shape["bh"], shape["q"], shape["k"], generator=gen, device=gen.device)
     scale = 0.5 + torch.rand((), generator=gen, device=gen.device)
     return {"scores": s.to(device, dtype), "scale": scale.to(device, torch.float32)}
 
 
-def alloc_outputs(inputs: Inputs) -> Outputs:
+def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["scores"]),)
 
 
@@ -85,13 +80,12 @@ def _block_n(k: int) -> int:
     return max(16, triton.next_power_of_2(k))
 
 
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
+def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
     cfg = _config(config)
     s, sc = inputs["scores"], inputs["scale"]
     DOMAIN.check(s.dtype, shape_of(inputs), inputs)
     (y,) = outs
-    if y.shape != s.shape or y.dtype != s.dtype or not y.is_contiguous():
-        raise ValueError(f"{NAME}: output must be a contiguous {s.dtype} tensor of shape {tuple(s.shape)}")
+    spec.check_outputs(NAME, outs, s)
     bh, q, k = s.shape
     bm = min(cfg["BLOCK_M"], triton.next_power_of_2(bh * q))  # BLOCK_M is an upper bound
     _softmax_causal_fwd[(triton.cdiv(bh * q, bm),)](
@@ -104,57 +98,50 @@ def _mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.ones(q, k, dtype=torch.bool, device=device).tril(k - q)
 
 
-def reference(inputs: Inputs) -> Outputs:
+def reference(inputs: spec.Inputs) -> spec.Outputs:
     s = inputs["scores"].double() * inputs["scale"].double()
     s = s.masked_fill(~_mask(s.shape[1], s.shape[2], s.device), float("-inf"))
     return (torch.softmax(s, dim=-1),)
 
 
-def eager(inputs: Inputs) -> Outputs:
+def eager(inputs: spec.Inputs) -> spec.Outputs:
     s = inputs["scores"] * inputs["scale"]
     s = s.masked_fill(~_mask(s.shape[1], s.shape[2], s.device), float("-inf"))
     return (torch.softmax(s, dim=-1),)
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     """Causal-aware minimum: only unmasked scores are read; every output element is written."""
     q, k = shape["q"], shape["k"]
     read = q * (k - q) + q * (q + 1) // 2
     return shape["bh"] * (read + q * k) * torch.empty((), dtype=dtype).element_size()
 
 
-def flops(shape: Shape) -> int:
+def flops(shape: spec.Shape) -> int:
     return 4 * shape["bh"] * shape["q"] * shape["k"]
 
 
-def fuzz(rng: random.Random) -> Shape:
+def fuzz(rng: random.Random) -> spec.Shape:
     q = rng.randint(1, 12)
     return {"bh": rng.randint(1, 3), "q": q, "k": q + rng.choice((0, 0, rng.randint(1, 40)))}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per row width BLOCK_N (next power of 2 of k) across the domain."""
     cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
+    p = spec.TRITON_DTYPES[dtype]
     sig = {"s_ptr": p, "scale_ptr": "*fp32", "y_ptr": p, "n_rows": "i32", "n_q": "i32", "n_k": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     rng = DOMAIN.dims["k"]
     blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << j for j in range(4, 15)), rng.hi) if rng.lo <= v <= rng.hi})
-    return [AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
+    return [spec.AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
 
 
-DOMAIN = Domain(
-    dtypes=("fp16", "bf16", "fp32"),
-    dims={"bh": DimRange(1, 1 << 16), "q": DimRange(1, 16384), "k": DimRange(1, 16384)},
-    notes="scores (batch*heads, q, k) contiguous with k >= q (bottom-right causal alignment), k <= 16384 "
-    "(a row lives in registers), bh*q*k < 2**31; scale a 0-d float32 tensor on the same device.",
-)
-
-OP = module_op(
+OP = spec.module_op(
     globals(),
     description="y = softmax(scale * s) under an index-computed causal mask; masked scores are not read",
-    tolerances={"fp32": Tolerance(1e-6, 1e-5), "fp16": Tolerance(1e-4, 2e-3), "bf16": Tolerance(1e-3, 1.6e-2)},
+    tolerances={"fp32": spec.Tolerance(1e-6, 1e-5), "fp16": spec.Tolerance(1e-4, 2e-3), "bf16": spec.Tolerance(1e-3, 1.6e-2)},
     test_shapes=({"bh": 2, "q": 5, "k": 5}, {"bh": 1, "q": 3, "k": 70}),
     decode_shapes=tuple({"bh": 32, "q": t, "k": 2048} for t in (1, 16, 64, 256)),
     prefill_shapes=({"bh": 8, "q": 2048, "k": 2048}, {"bh": 2, "q": 8192, "k": 8192},

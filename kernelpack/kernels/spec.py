@@ -160,6 +160,30 @@ def launch_config(op: str, defaults: Mapping[str, int], config: LaunchConfig,
     return cfg
 
 
+def same_layout(op: str, tensors: Mapping[str, torch.Tensor], dims: tuple[str, ...]) -> Shape:
+    """``dims`` named after the first tensor's shape; every other tensor must have that shape, dtype and device
+    (e.g. ``same_layout("swiglu", {"gate": g, "up": u}, ("tokens", "hidden"))``). A mismatch is a
+    ``DomainError`` naming the op and both tensors."""
+    (first, t0), *rest = tensors.items()
+    if t0.dim() != len(dims):
+        raise DomainError(f"{op}: {first} must be {len(dims)}-D ({', '.join(dims)}), got shape {tuple(t0.shape)}")
+    for name, t in rest:
+        if t.shape != t0.shape:
+            raise DomainError(f"{op}: {name} shape {tuple(t.shape)} must equal {first} shape {tuple(t0.shape)}")
+        if t.dtype != t0.dtype or t.device != t0.device:
+            raise DomainError(f"{op}: {name} ({t.dtype}, {t.device}) must match {first} ({t0.dtype}, {t0.device})")
+    return dict(zip(dims, t0.shape, strict=True))
+
+
+def check_outputs(op: str, outs: Outputs, like: torch.Tensor) -> None:
+    """Every output buffer a contiguous tensor of ``like``'s shape and dtype (a ``ValueError`` otherwise)."""
+    for o in outs:
+        if o.shape != like.shape or o.dtype != like.dtype or not o.is_contiguous():
+            what = "output must be a contiguous" if len(outs) == 1 else "outputs must be contiguous"
+            raise ValueError(f"{op}: {what} {like.dtype} tensor{'s' if len(outs) > 1 else ''} of shape "
+                             f"{tuple(like.shape)}")
+
+
 _MODULE_FIELDS = ("make_inputs", "shape_of", "alloc_outputs", "run", "reference", "eager", "bytes_moved", "flops",
                   "fuzz", "aot")
 

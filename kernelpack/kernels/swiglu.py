@@ -7,26 +7,14 @@ one read of each and one write of y. Self-contained bundle module.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelpack.kernels.spec import (
-    TRITON_DTYPES,
-    AotSpec,
-    DimRange,
-    Domain,
-    DomainError,
-    Inputs,
-    LaunchConfig,
-    Outputs,
-    Shape,
-    Tolerance,
-    launch_config,
-    module_op,
-)
+import kernelpack.kernels.spec as spec
 
 NAME = "swiglu"
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK": 2048, "num_warps": 8, "num_stages": 1}
@@ -44,22 +32,14 @@ def _swiglu_fwd(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(config: LaunchConfig) -> dict[str, int]:
-    return launch_config(NAME, DEFAULT_CONFIG, config)
+_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
 
 
-def shape_of(inputs: Inputs) -> Shape:
-    g, u = inputs["gate"], inputs["up"]
-    if g.dim() != 2:
-        raise DomainError(f"{NAME}: gate must be 2-D (tokens, hidden), got shape {tuple(g.shape)}")
-    if u.shape != g.shape:
-        raise DomainError(f"{NAME}: up shape {tuple(u.shape)} must equal gate shape {tuple(g.shape)}")
-    if u.dtype != g.dtype or u.device != g.device:
-        raise DomainError(f"{NAME}: up ({u.dtype}, {u.device}) must match gate ({g.dtype}, {g.device})")
-    return {"tokens": g.shape[0], "hidden": g.shape[1]}
+def shape_of(inputs: spec.Inputs) -> spec.Shape:
+    return spec.same_layout(NAME, {"gate": inputs["gate"], "up": inputs["up"]}, ("tokens", "hidden"))
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Inputs:
+def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
     t, h = shape["tokens"], shape["hidden"]
     return {
         "gate": (2.0 * torch.randn(t, h, generator=gen, device=gen.device)).to(device, dtype),
@@ -67,62 +47,57 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: tor
     }
 
 
-def alloc_outputs(inputs: Inputs) -> Outputs:
+def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["gate"]),)
 
 
-def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
-    cfg = _config(config)
+def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
     g, u = inputs["gate"], inputs["up"]
     DOMAIN.check(g.dtype, shape_of(inputs), inputs)
-    (y,) = outs
-    if y.shape != g.shape or y.dtype != g.dtype or not y.is_contiguous():
-        raise ValueError(f"{NAME}: output must be a contiguous {g.dtype} tensor of shape {tuple(g.shape)}")
-    n = g.numel()
+    spec.check_outputs(NAME, outs, g)
+    cfg, n = _config(config), g.numel()
     _swiglu_fwd[(triton.cdiv(n, cfg["BLOCK"]),)](
-        g, u, y, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
+        g, u, outs[0], n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
 
 
-def reference(inputs: Inputs) -> Outputs:
+def reference(inputs: spec.Inputs) -> spec.Outputs:
     g, u = inputs["gate"].double(), inputs["up"].double()
     return (g * torch.sigmoid(g) * u,)
 
 
-def eager(inputs: Inputs) -> Outputs:
+def eager(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.nn.functional.silu(inputs["gate"]) * inputs["up"],)
 
 
-def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
+def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     return 3 * shape["tokens"] * shape["hidden"] * torch.empty((), dtype=dtype).element_size()
 
 
-def flops(shape: Shape) -> int:
-    return 5 * shape["tokens"] * shape["hidden"]
 
-
-def fuzz(rng: random.Random) -> Shape:
+def fuzz(rng: random.Random) -> spec.Shape:
     return {"tokens": rng.randint(1, 9), "hidden": 8 * rng.randint(1, 300)}
 
 
-def aot(dtype: str, config: LaunchConfig) -> list[AotSpec]:
+def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     cfg = _config(config)
-    p = TRITON_DTYPES[dtype]
+    p = spec.TRITON_DTYPES[dtype]
     sig = {"g_ptr": p, "u_ptr": p, "y_ptr": p, "n": "i32", "BLOCK": "constexpr"}
-    return [AotSpec(_swiglu_fwd, sig, {"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
+    return [spec.AotSpec(_swiglu_fwd, sig, {"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])]
 
 
-DOMAIN = Domain(
+DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16", "fp32"),
-    dims={"tokens": DimRange(1, 1 << 20), "hidden": DimRange(8, 65536, 8)},
+    dims={"tokens": spec.DimRange(1, 1 << 20), "hidden": spec.DimRange(8, 65536, 8)},
     notes="gate and up (tokens, hidden) of one dtype, contiguous, tokens*hidden < 2**31; hidden a multiple of 8.",
 )
 
-OP = module_op(
+OP = spec.module_op(
     globals(),
+    flops=lambda shape: 5 * shape["tokens"] * shape["hidden"],
     description="y = silu(gate) * up, one read of each input and one write",
-    tolerances={"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-3, 2e-3), "bf16": Tolerance(8e-3, 1.6e-2)},
+    tolerances={"fp32": spec.Tolerance(1e-5, 1e-5), "fp16": spec.Tolerance(1e-3, 2e-3), "bf16": spec.Tolerance(8e-3, 1.6e-2)},
     test_shapes=({"tokens": 3, "hidden": 40}, {"tokens": 5, "hidden": 1032}),
     decode_shapes=tuple({"tokens": t, "hidden": 14336} for t in (1, 16, 64, 256)),
     prefill_shapes=tuple({"tokens": t, "hidden": 14336} for t in (2048, 8192, 16384)),
