@@ -188,3 +188,22 @@ def test_images_copy_every_package() -> None:
         text = dockerfile.read_text()
         missing = [p for p in PACKAGES if f"COPY {p}/ {p}/" not in text]
         assert not missing, f"{dockerfile.name} does not copy {', '.join(missing)}"
+
+
+def _message_branches(path: Path) -> Iterator[int]:
+    """Lines that test an exception's message text (``"..." in str(exc)``) instead of its type."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    caught = {h.name for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) and h.name} | {"exc", "err", "error"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+                and isinstance(node.left.value, str) and all(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+            for right in node.comparators:
+                if isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "str" \
+                        and right.args and isinstance(right.args[0], ast.Name) and right.args[0].id in caught:
+                    yield node.lineno
+
+
+def test_errors_are_told_apart_by_type_not_message() -> None:
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in _python_files() for line in _message_branches(p)]
+    assert not found, "code that matches an exception's message text (raise a typed error instead):\n" + \
+        "\n".join(found)

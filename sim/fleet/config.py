@@ -20,6 +20,10 @@ class SimError(RuntimeError):
     """The simulation could not run (controller would not start, database unreachable, ...)."""
 
 
+class SimTimeout(SimError):
+    """A wait of the simulation ran out of time (reported as a timeout with what was measured so far)."""
+
+
 @dataclass
 class FleetConfig:
     nodes: int

@@ -18,7 +18,7 @@ from kernelctl.procs import ServeError, ServeProcess, serve_env
 from sim.fleet import operator
 from sim.fleet.agents import Fleet, Stats
 from sim.fleet.bundles import SimBundles, default_bundle_cache, prepare_bundles
-from sim.fleet.config import BASELINE, FleetConfig, SimError
+from sim.fleet.config import BASELINE, FleetConfig, SimError, SimTimeout
 from sim.fleet.database import database, stored_report_keys
 from sim.fleet.report import summarise
 
@@ -39,7 +39,7 @@ async def _wait(pred, limit: float, what: str, period: float = 0.5) -> None:  # 
     deadline = time.monotonic() + limit
     while not pred():
         if time.monotonic() > deadline:
-            raise SimError(f"timed out after {limit:.0f}s waiting for {what}")
+            raise SimTimeout(f"timed out after {limit:.0f}s waiting for {what}")
         await asyncio.sleep(period)
 
 
@@ -89,7 +89,7 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
                         break
                     await asyncio.sleep(1.0)
         except (SimError, OperatorError) as exc:
-            if "timed out" not in str(exc):
+            if not isinstance(exc, SimTimeout):
                 raise SimError(str(exc)) from None
             detail = {**detail, "timed_out": True, "aborted": str(exc)}  # measured so far, reported as a timeout
         finally:
