@@ -97,7 +97,11 @@ def install_generation_hooks(factory: sessionmaker[Session], on_commit: Callable
         elif table not in RELEVANT_TABLES:
             return None
         result = state.invoke_statement()
-        if state.is_insert or result.rowcount != 0:  # an UPDATE that matched nothing changed nothing
+        rowcount = getattr(result, "rowcount", None)
+        if rowcount is None and not state.is_insert:  # UPDATE ... RETURNING: count the rows it returned
+            frozen = result.freeze()
+            rowcount, result = len(frozen.data), frozen()
+        if state.is_insert or rowcount != 0:  # an UPDATE that matched nothing changed nothing
             _mark(state.session)
         return result
 
