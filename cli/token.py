@@ -7,20 +7,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import DbOption, JsonOption, database_errors
+from cli.common import DbOption, JsonOption, database_errors, resolve_db
 from kernelctl.console import EXIT_NOT_FOUND, EXIT_USAGE, console, fail, print_json, safe
 
 token_app = typer.Typer(help="API tokens (direct database access): create, list, revoke.", no_args_is_help=True)
-DbFlag = DbOption
-
 
 
 def _token_db(db: str | None):  # type: ignore[no-untyped-def]
     from controller.db.engine import make_engine, session_factory
     from controller.db.migrate import check_schema_current
-    from kernelctl.settings import get_settings
 
-    engine = make_engine(db or get_settings().database_url)
+    engine = make_engine(resolve_db(db))
     check_schema_current(engine)
     return session_factory(engine)
 
@@ -47,7 +44,7 @@ def token_create(
                                              "this is how an operator approves a node's re-registration).")] = None,
     name: Annotated[str | None, typer.Option(help="Token name (who holds it).")] = None,
     expires_in: Annotated[str | None, typer.Option("--expires-in", help="Expire after this long (30d, 12h).")] = None,
-    db: DbFlag = None,
+    db: DbOption = None,
 ) -> None:
     """Create a token and print it once (only its SHA-256 is stored)."""
     from controller.auth import ROLES, create_token
@@ -72,7 +69,7 @@ def token_create(
 def token_list(
     all_: Annotated[bool, typer.Option("--all", help="Include revoked tokens.")] = False,
     node: Annotated[str | None, typer.Option(help="Only tokens of this node.")] = None,
-    db: DbFlag = None, json_out: JsonOption = False,
+    db: DbOption = None, json_out: JsonOption = False,
 ) -> None:
     """List tokens (never their values): id, name, role, node, created, expires, state."""
     from controller.auth import list_tokens
@@ -94,7 +91,7 @@ def token_revoke(
     token_id: Annotated[int | None, typer.Argument(help="Token id (see `kernelctl token list`).")] = None,
     node: Annotated[str | None, typer.Option(help="Revoke every token of this node instead.")] = None,
     reason: Annotated[str | None, typer.Option(help="Why (recorded in the changelog).")] = None,
-    db: DbFlag = None,
+    db: DbOption = None,
 ) -> None:
     """Revoke a token (or all of a node's). Effective at once on a controller's next lookup, and within
     KERNELCTL_AUTH_CACHE_SECONDS (default 5 s) where the controller has it cached."""
