@@ -284,7 +284,12 @@ class DesiredHub:
                 if node is None and not self._unknown:  # registered after the snapshot: load it soon
                     self._unknown = True
                     self.loop_call(self._poke.set, delay=self.unknown_reload_seconds)
-                reply, gen = await self.slow(slow_path, req)
+                try:
+                    reply, gen = await self.slow(slow_path, req)
+                except Overloaded:
+                    if node is not None:  # refused for now, but alive: an overload never makes a node stale
+                        self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))
+                    raise
                 if req.generation is None or gen > req.generation or deadline - time.monotonic() <= 0:
                     return reply.model_copy(update={"generation": gen}), held, "slow"
                 mine = gen  # written, but nothing newer for the node: hold it like any watch
