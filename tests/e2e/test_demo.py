@@ -26,7 +26,7 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
     keep = tmp_path / "demo"
     env = {**os.environ, "COLUMNS": "160"}
     with WebhookReceiver() as hook:  # a real local webhook: the demo forwards it to its controller
-        proc = subprocess.run([sys.executable, "-m", "kernelctl.cli", "demo", "--json", "--keep", str(keep),
+        proc = subprocess.run([sys.executable, "-m", "cli.app", "demo", "--json", "--keep", str(keep),
                                "--notify-url", hook.url + "?token=demo-secret"],
                               capture_output=True, text=True, env=env, timeout=1500)
     summary = json.loads(proc.stdout)
