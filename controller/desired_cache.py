@@ -179,8 +179,22 @@ class Snapshot:
             self._memo[node.key] = hit
         return hit
 
+    def staged_changes(self, node: NodeView, req: wire.HeartbeatRequest) -> dict[str, tuple[str, ...]]:
+        """bundle name -> the staged versions this heartbeat reports where they differ from the snapshot."""
+        staged: dict[str, list[str]] = {}
+        for r in req.staged:
+            if (r.name, r.version, r.digest) in self.by_ref:
+                staged.setdefault(r.name, []).append(r.version)
+        out: dict[str, tuple[str, ...]] = {}
+        for name, row in node.rows.items():
+            versions = tuple(sorted(staged.get(name, [])))
+            if row.staged != versions:
+                out[name] = versions
+        return out
+
     def fast_path(self, node: NodeView, req: wire.HeartbeatRequest) -> bool:
-        """True when this heartbeat changes nothing but liveness (mirrors ``registry.heartbeat``)."""
+        """True when this heartbeat changes nothing but liveness and staged versions (mirrors
+        ``registry.heartbeat``; staged versions are informational and written in batches by the hub)."""
         if node.state != "active" or req.inventory is not None or node.needs_sync:
             return False
         active: dict[str, int] = {}
@@ -194,7 +208,7 @@ class Snapshot:
                 staged.setdefault(r.name, []).append(r.version)
         for name in set(node.rows) | set(active) | set(staged):
             row = node.rows.get(name)
-            if row is None or row.active_id != active.get(name) or row.staged != tuple(sorted(staged.get(name, []))):
+            if row is None or row.active_id != active.get(name) or (row.staged is None and name in staged):
                 return False
             v = row.view
             if v.rollout_id is not None and v.desired_id is not None and v.desired_id != v.stable_id:

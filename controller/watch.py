@@ -3,8 +3,9 @@
 Every replica (leader or not) keeps the latest :class:`~controller.desired_cache.Snapshot` of the fleet's
 desired state and serves heartbeats from it:
 
-* **Fast path** (nothing to write but liveness): the reply comes from the snapshot (memoised per stratum and
-  assignment) and the node's liveness goes into a buffer that one statement per flush writes
+* **Fast path** (nothing to write but liveness and staged versions): the reply comes from the snapshot
+  (memoised per stratum and assignment); the node's liveness and staged versions (informational: desired
+  state does not depend on them) go into buffers that one statement each per flush writes
   (``liveness_flush_seconds``): no transaction per heartbeat.
 * **Slow path** (the node reports another version active or staged, a phase moves, a stale node is back, an
   inventory, a node the snapshot does not know yet): the full ``registry.heartbeat`` transaction, in a worker
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import random
 import threading
@@ -60,6 +62,10 @@ class Overloaded(KernelctlError):
         self.retry_after = retry_after
 
 
+PG_STAGED = text(
+    "UPDATE assignments SET staged = CAST(v.doc AS json) FROM unnest(CAST(:ids AS bigint[]), CAST(:names AS text[]), "
+    "CAST(:docs AS text[])) AS v(id, name, doc) WHERE assignments.node_id = v.id AND assignments.bundle_name = v.name")
+SQLITE_STAGED = text("UPDATE assignments SET staged = :doc WHERE node_id = :id AND bundle_name = :name")
 PG_LIVENESS = text(
     "UPDATE nodes SET last_heartbeat_at = GREATEST(nodes.last_heartbeat_at, v.at) "
     "FROM unnest(CAST(:ids AS bigint[]), CAST(:ats AS timestamptz[])) AS v(id, at) WHERE nodes.id = v.id")
@@ -87,6 +93,8 @@ class DesiredHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._liveness: dict[int, dt.datetime] = {}
+        self._staged: dict[tuple[int, str], tuple[str, ...]] = {}  # (node id, bundle) -> staged versions to write
+        self._staged_written: dict[tuple[int, str], tuple[str, ...]] = {}
         self._pending_writes = 0
         self._unknown = False  # a heartbeat came from a node the snapshot does not know (new since)
         self.unknown_reload_seconds = 1.0
@@ -224,24 +232,43 @@ class DesiredHub:
             except Exception as exc:  # kept for the next flush
                 log.warning("liveness flush failed (kept): %s", str(exc).splitlines()[0] if str(exc) else exc)
 
+    def note_staged(self, node_id: int, changes: dict[str, tuple[str, ...]]) -> None:
+        for name, versions in changes.items():
+            key = (node_id, name)
+            if self._staged_written.get(key) != versions:
+                self._staged[key] = versions
+
     def flush_liveness(self) -> int:
-        """Write the buffered heartbeat times: one statement (PostgreSQL) or one executemany (SQLite)."""
+        """Write the buffered heartbeat times and staged versions: one statement each (PostgreSQL) or one
+        executemany each (SQLite), in one transaction."""
         batch, self._liveness = self._liveness, {}
-        if not batch:
+        staged, self._staged = self._staged, {}
+        if not batch and not staged:
             return 0
+        docs = {k: json.dumps({"versions": list(v)}) for k, v in staged.items()}
         try:
             with self.factory() as session:
                 if self._postgres:
-                    session.execute(PG_LIVENESS, {"ids": list(batch), "ats": list(batch.values())})
+                    if batch:
+                        session.execute(PG_LIVENESS, {"ids": list(batch), "ats": list(batch.values())})
+                    if staged:
+                        session.execute(PG_STAGED, {"ids": [k[0] for k in docs], "names": [k[1] for k in docs],
+                                                    "docs": list(docs.values())})
                 else:
-                    session.execute(SQLITE_LIVENESS.bindparams(bindparam("at"), bindparam("id")),
-                                    [{"id": k, "at": v} for k, v in batch.items()])
+                    if batch:
+                        session.execute(SQLITE_LIVENESS.bindparams(bindparam("at"), bindparam("id")),
+                                        [{"id": k, "at": v} for k, v in batch.items()])
+                    if staged:
+                        session.execute(SQLITE_STAGED, [{"id": k[0], "name": k[1], "doc": d} for k, d in docs.items()])
                 session.commit()
         except Exception:
             for k, v in batch.items():  # newer times that arrived meanwhile win
                 if k not in self._liveness:
                     self._liveness[k] = v
+            for k2, v2 in staged.items():
+                self._staged.setdefault(k2, v2)
             raise
+        self._staged_written.update(staged)
         if self.metrics is not None:
             self.metrics.liveness_flushed.inc(len(batch))
         return len(batch)
@@ -299,11 +326,13 @@ class DesiredHub:
             if node is not None and (req.generation is None or req.generation < mine or left <= 0):
                 now = dt.datetime.now(dt.timezone.utc)
                 self.note_alive(node.id, now)
+                self.note_staged(node.id, snap.staged_changes(node, req))
                 return wire.HeartbeatResponse.model_construct(
                     node_name=req.node_name, desired=snap.desired(node), heartbeat_seconds=heartbeat_seconds,
                     server_time=now, generation=mine), held, "fast"
             if node is not None:
                 self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))  # liveness while it waits
+                self.note_staged(node.id, snap.staged_changes(node, req))
             ev = asyncio.Event()
             self._waiters.setdefault(req.node_name, set()).add(ev)
             t0 = time.monotonic()

@@ -92,12 +92,16 @@ def test_snapshot_answers_like_the_database_and_knows_when_a_heartbeat_writes(ki
     assert d0.active == stable and d0.trial is not None and d0.phase == "staged"
     same = wire.HeartbeatRequest(node_name="gpu-000", staged=[stable, cand], active=[stable])
     assert snap.fast_path(snap.nodes["gpu-000"], same)  # nothing to write but liveness
-    assert not snap.fast_path(snap.nodes["gpu-000"], wire.HeartbeatRequest(node_name="gpu-000", active=[stable]))
+    assert snap.staged_changes(snap.nodes["gpu-000"], same) == {}
+    fewer = wire.HeartbeatRequest(node_name="gpu-000", active=[stable])  # staged versions are written in batches
+    assert snap.fast_path(snap.nodes["gpu-000"], fewer)
+    assert snap.staged_changes(snap.nodes["gpu-000"], fewer) == {"llm-fused": ()}
     # gpu-001 switching to the candidate must be recorded (activation, phase serving): not the fast path
     switched = wire.HeartbeatRequest(node_name="gpu-001", staged=[stable, cand], active=[cand])
     assert not snap.fast_path(snap.nodes["gpu-001"], switched)
     assert snap.fast_path(snap.nodes["gpu-002"], wire.HeartbeatRequest(node_name="gpu-002"))  # as stored: nothing
-    assert not snap.fast_path(snap.nodes["gpu-002"], wire.HeartbeatRequest(node_name="gpu-002", staged=[stable]))
+    assert snap.staged_changes(snap.nodes["gpu-002"], wire.HeartbeatRequest(node_name="gpu-002", staged=[stable])) \
+        == {"llm-fused": (stable.version,)}
     with kit.tx() as s:
         registry.heartbeat(s, switched, T0, heartbeat_seconds=5)
     snap = load_snapshot(kit.factory)
@@ -213,3 +217,31 @@ def test_no_node_unknown_to_the_snapshot_is_refused(kit: Kit) -> None:
     assert "late-000" in load_snapshot(kit.factory).nodes
     with kit.tx() as s:
         assert s.scalar(select(Node.state).where(Node.name == "late-000")) == "active"
+
+
+def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url: str) -> None:
+    from controller.db.models import Assignment
+    from controller.watch import DesiredHub
+
+    kit.nodes(2)
+    _rid, stable, cand = _stable_and_candidate(kit, nodes=0)
+    hub = DesiredHub(kit.factory, db_url)
+    snap = load_snapshot(kit.factory)
+    g = _gen(kit)
+    later = T0 + dt.timedelta(minutes=5)
+    for name in ("gpu-000", "gpu-001"):
+        node = snap.nodes[name]
+        req = wire.HeartbeatRequest(node_name=name, staged=[stable, cand], active=[stable])
+        hub.note_alive(node.id, later)
+        hub.note_staged(node.id, snap.staged_changes(node, req))
+    assert hub.flush_liveness() == 2
+    with kit.tx() as s:
+        rows = s.execute(select(Node.name, Node.last_heartbeat_at, Assignment.staged)
+                         .join(Assignment, Assignment.node_id == Node.id)).all()
+    assert {r[0] for r in rows} == {"gpu-000", "gpu-001"}
+    assert all(r[1].replace(tzinfo=dt.timezone.utc) == later for r in rows)
+    assert all(r[2] == {"versions": sorted([stable.version, cand.version])} for r in rows)
+    assert _gen(kit) == g  # liveness and staged versions are not desired state
+    assert hub.flush_liveness() == 0  # nothing new: nothing written
+    hub.note_staged(snap.nodes["gpu-000"].id, {"llm-fused": (stable.version, cand.version)})
+    assert hub.flush_liveness() == 0  # already written by this replica
