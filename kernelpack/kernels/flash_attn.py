@@ -10,7 +10,7 @@ BLOCK_M / BLOCK_N are upper bounds: a sequence shorter than a tile gets max(16, 
 On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
 interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
 constexpr switches, the GPU path is a pipelined ``for`` loop over native-dtype tensor-core dots.
-Self-contained bundle module.
+Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations

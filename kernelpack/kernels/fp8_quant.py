@@ -4,7 +4,7 @@ Owns op ``fp8_quant``: Triton kernel, float64 reference, eager PyTorch version, 
 Returns ``(q, scales)``: q (tokens, hidden) float8_e4m3fn and scales (tokens,) float32, so x ~= q * scale.
 An all-zero row gets scale 1e-12 / 448 floor (no division by zero). The reference returns the *unrounded*
 x / scale in float64, so the tolerance (rtol 1/16 + fp32 slack) is the half-ulp of e4m3's 3-bit mantissa.
-One row per program, held in registers. Self-contained bundle module.
+One row per program, held in registers. Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations

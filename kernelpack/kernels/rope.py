@@ -5,7 +5,7 @@ Inputs: q (tokens, q_heads, head_dim), k (tokens, kv_heads, head_dim), and per-t
 (tokens, head_dim // 2) in the input dtype, already gathered at each token's position (callers index their
 cos/sin cache by position ids first). With x = [x1, x2] split in halves:
 ``out = [x1*cos - x2*sin, x2*cos + x1*sin]``. Out-of-place: returns (q_out, k_out). Each program rotates
-BLOCK_T tokens x BLOCK_H heads of both q and k, loading cos/sin once per token. Self-contained bundle module.
+BLOCK_T tokens x BLOCK_H heads of both q and k, loading cos/sin once per token. Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations

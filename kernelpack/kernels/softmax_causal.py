@@ -4,7 +4,7 @@ Owns op ``softmax_causal``: Triton kernel, float64 reference, eager PyTorch vers
 ``y[b, i, j] = softmax_j(scale * s[b, i, j])`` over keys ``j <= i + (k - q)`` (bottom-right aligned causal
 mask, as with a KV cache; k >= q), and 0 for masked keys. The mask is computed from indices: no mask tensor,
 and masked scores are never read. ``scale`` is a 0-d float32 tensor input (no host sync). One row per
-program, held in registers (k <= 16384). Self-contained bundle module.
+program, held in registers (k <= 16384). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns op ``swiglu``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances. gate and
 up are separate contiguous tensors (Liger's layout); an elementwise kernel over the flattened tensors with
-one read of each and one write of y. Self-contained bundle module.
+one read of each and one write of y. Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations
