@@ -166,6 +166,7 @@ class Snapshot:
     manifests: dict[int, dict[str, Any]] = field(default_factory=dict)
     plans: dict[int, PlanSpec] = field(default_factory=dict)
     strata_state: dict[tuple[int, str], str] = field(default_factory=dict)
+    stable_strata: set[str] = field(default_factory=set)  # strata with a stable version of some bundle
     _memo: dict[tuple[Any, ...], list[wire.DesiredBundle]] = field(default_factory=dict)
 
     def desired(self, node: NodeView) -> list[wire.DesiredBundle]:
@@ -218,6 +219,15 @@ class Snapshot:
         return True
 
 
+def new_node_view(node_id: int, name: str, inventory: wire.Inventory, snap: Snapshot) -> NodeView:
+    """The view of a node registered after ``snap`` was loaded (no assignments yet)."""
+    stratum = stratum_key(inventory.arch, inventory.driver_version, inventory.triton_version)
+    cpu = inventory.cuda_version.lower() in CPU_CUDA or inventory.gpu_name.lower().startswith("cpu")
+    view = NodeView(node_id, name, stratum, cpu, "active", {}, needs_sync=stratum in snap.stable_strata)
+    view.key = (stratum, cpu, ())
+    return view
+
+
 def _staged(doc: Any) -> tuple[str, ...] | None:
     if isinstance(doc, dict) and set(doc) == {"versions"} and isinstance(doc["versions"], list):
         return tuple(doc["versions"])
@@ -261,6 +271,7 @@ def load_snapshot(factory: sessionmaker[Session]) -> Snapshot:
         for stratum, bname, bid in session.execute(select(StableVersion.stratum, StableVersion.bundle_name,
                                                           StableVersion.bundle_id)):
             stables.setdefault(stratum, []).append((bname, bid))
+        snap.stable_strata = set(stables)
         targets: dict[int, list[TargetInfo]] = {}
         stable_ids = {bid for lst in stables.values() for _n, bid in lst}
         if stable_ids:

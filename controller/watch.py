@@ -44,6 +44,7 @@ from controller.desired_cache import (
     NodeView,
     Snapshot,
     load_snapshot,
+    new_node_view,
     read_generation,
 )
 from controller.errors import KernelctlError
@@ -219,6 +220,19 @@ class DesiredHub:
                             str(exc).splitlines()[0] if str(exc) else exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+    def registered(self, node_id: int, name: str, inventory: wire.Inventory) -> None:
+        """A node registered through this replica: known at once (its heartbeats need no reload first)."""
+        def add() -> None:
+            snap = self.snapshot
+            if name not in snap.nodes and snap.generation >= 0:
+                snap.nodes[name] = new_node_view(node_id, name, inventory, snap)
+                self.node_gen.setdefault(name, snap.generation)
+
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(add)
 
     # ------------------------------------------------------------------------------- liveness
     def note_alive(self, node_id: int, at: dt.datetime) -> None:

@@ -58,10 +58,14 @@ def _register(req: wire.RegisterRequest, principal: Principal, state: AppState) 
     if principal.node is not None and principal.node != req.node_name:
         raise Forbidden(f"this token belongs to node {principal.node!r}, not {req.node_name!r}")
     with state.tx() as session:
-        registry.register_node(session, req.node_name, req.inventory, actor=principal.actor,
-                               new_only=principal.is_enrollment)
+        node = registry.register_node(session, req.node_name, req.inventory, actor=principal.actor,
+                                      new_only=principal.is_enrollment)
         token = issue_node_token(session, req.node_name, actor=principal.actor)
+        node_id = node.id
     state.forget_node(req.node_name)  # the node's earlier tokens are revoked: no cached principal outlives them
+    hub = getattr(state, "hub", None)
+    if hub is not None and principal.is_enrollment:  # a new node: this replica knows it before its next reload
+        hub.registered(node_id, req.node_name, req.inventory)
     return wire.RegisterResponse(
         node_name=req.node_name, node_token=token, heartbeat_seconds=state.settings.heartbeat_seconds
     )
