@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -44,9 +43,11 @@ class NumericsMemo:
         from kernelpack.kernels import spec as kspec
 
         code = hashlib.sha256()
-        for mod in (edge, golden, numerics, kspec, sys.modules.get("agents.trial_worker"), sys.modules[__name__]):
-            with suppress(OSError, TypeError, AttributeError):
-                code.update(Path(mod.__file__ or "").read_bytes())  # type: ignore[union-attr]
+        here = Path(__file__).resolve()
+        for path in (*(Path(m.__file__ or "") for m in (edge, golden, numerics, kspec)),
+                     here.with_name("trial_worker.py"), here):  # the worker runs as __main__: by path
+            with suppress(OSError):
+                code.update(path.read_bytes())
         key = json.dumps({"v": 1, "candidate": spec.candidate_digest,
                           "stable": spec.stable_digest if has_stable else None, "arch": spec.arch,
                           "dtypes": spec.dtypes, "batch": sorted(spec.batch_sizes),

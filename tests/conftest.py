@@ -50,8 +50,9 @@ def empty_db_url(db_backend: str, tmp_path: Path) -> Iterator[str]:
 
 
 DURATIONS_KEY = "kernelctl/seconds-per-file"
-# Seconds per file from one full run (--durations 40 of 2026-11-23, 2 workers on a loaded 2-core machine):
-# the order for a checkout whose pytest cache has no durations of its own yet.
+# Seconds per file from one full run (--durations 40 of 2026-11-23, 2 workers on a loaded 2-core machine; the demo
+# e2e, trial and bench files re-measured after issue 18's trial changes, -n 0 at load 7-12): the order for a
+# checkout whose pytest cache has no durations of its own yet.
 SEED = Path(__file__).with_name("durations.json")
 
 
