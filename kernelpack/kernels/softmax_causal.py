@@ -141,6 +141,8 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
 OP = spec.module_op(
     globals(),
     description="y = softmax(scale * s) under an index-computed causal mask; masked scores are not read",
+    # against float64 on the same (rounded) scores: outputs lie in [0, 1], so an fp16 output's own rounding is at
+    # most 4.9e-4 relative (2.0e-3 in bf16) and fp32 exp/sum add ~1e-6; edge values are judged on finiteness only
     tolerances={"fp32": spec.Tolerance(1e-6, 1e-5), "fp16": spec.Tolerance(1e-4, 2e-3), "bf16": spec.Tolerance(1e-3, 1.6e-2)},
     test_shapes=({"bh": 2, "q": 5, "k": 5}, {"bh": 1, "q": 3, "k": 70}),
     decode_shapes=tuple({"bh": 32, "q": t, "k": 2048} for t in (1, 16, 64, 256)),
