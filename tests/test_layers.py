@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Re-export shims left at an old path while another helper's file still imports it (issue 15); each goes
 # as soon as its importers are switched. Nothing else may be listed here.
-SHIMS = {"kernelctl/cli.py", "kernelctl/fleet.py"}
+SHIMS = {"kernelctl/fleet.py"}
 MAX_LINES = 600
 
 
