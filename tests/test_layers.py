@@ -27,9 +27,6 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"kernelctl", "kernelpack", "controller", "agents", "sim"},
     "scripts": {"kernelctl", "kernelpack", "controller", "agents", "cli", "sim"},
 }
-# Re-export shims left at an old path while another helper's file still imports it (issue 15); each goes
-# as soon as its importers are switched. Nothing else may be listed here.
-SHIMS = {"kernelctl/fleet.py"}
 MAX_LINES = 600
 
 
@@ -77,8 +74,6 @@ def test_layers_import_one_way() -> None:
     wrong = []
     for path in _python_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in SHIMS:
-            continue
         layer = _layer(path)
         for line, mod in _imports(path, names=False):
             top = mod.split(".")[0]
@@ -88,18 +83,6 @@ def test_layers_import_one_way() -> None:
                 wrong.append(f"{rel}:{line} imports {mod} ({layer} may import only "
                              f"{', '.join(sorted(ALLOWED[layer])) or 'itself'})")
     assert not sorted(set(wrong)), "imports that run the wrong way:\n" + "\n".join(sorted(set(wrong)))
-
-
-def test_shims_are_only_reexports() -> None:
-    """A shim holds imports and ``__all__`` only (so it cannot grow into a second home of the code)."""
-    for rel in sorted(SHIMS):
-        path = ROOT / rel
-        if not path.exists():
-            continue
-        for node in ast.parse(path.read_text()).body:
-            ok = isinstance(node, ast.Import | ast.ImportFrom | ast.Assign | ast.If) or (
-                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-            assert ok, f"{rel}:{node.lineno}: a shim may only re-export"
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -158,9 +141,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle() -> None:
     """No two modules import each other, directly or through others (lazy imports included)."""
-    shims = {_module_name(ROOT / s) for s in SHIMS}
-    graph = {m: deps - shims for m, deps in _module_graph().items() if m not in shims}
-    cycles = _cycles(graph)
+    cycles = _cycles(_module_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
