@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-DTypeName = Literal["fp16", "bf16", "fp32"]
+# the vocabulary's one home; bundle modules keep importing DTypeName from here
+from kernelctl.vocab import DTypeName
+
 DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TRITON_DTYPES: dict[str, str] = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
