@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from kernelctl.vocab import DTypeName, Outcome, Phase, Role
+
 API_PREFIX = "/v1"
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
@@ -138,9 +140,6 @@ class TrialSpec(Strict):
     interval_seconds: float = Field(30, ge=0)  # minimum time between trials on a node
 
 
-Phase = Literal["staged", "verified", "serving"]
-
-
 class DesiredBundle(Strict):
     """Desired state of one bundle on a node: which version is active, which are staged.
 
@@ -153,7 +152,7 @@ class DesiredBundle(Strict):
     name: BundleName
     active: BundleRef | None  # the version serving code should use now (None: publish no version of it)
     stable: BundleRef | None  # kept staged so a rollback is a switch, not a download
-    role: Literal["stable", "candidate"]
+    role: Role
     trial: TrialSpec | None = None
     phase: Phase | None = None  # the candidate's phase on this node (None for role "stable")
 
@@ -168,7 +167,6 @@ class HeartbeatResponse(Strict):
 
 
 # ------------------------------------------------------------------------------------------- reports
-Outcome = Literal["ok", "numeric_error", "mismatch", "oom", "crash", "hang", "compile_error", "load_error"]
 
 
 class LatencyPair(Strict):
@@ -192,7 +190,7 @@ class NumericCheck(Strict):
     the reference and stable are finite fails). ``nonfinite``: such outputs counted."""
 
     op: str = Field(max_length=64)
-    dtype: Literal["fp16", "bf16", "fp32"]
+    dtype: DTypeName
     shape: dict[str, int]
     max_abs_err: ErrorValue
     max_rel_err: ErrorValue
