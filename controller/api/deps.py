@@ -20,7 +20,7 @@ from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
-AUTH_CACHE_SECONDS = 5.0  # default of settings.auth_cache_seconds
+AUTH_CACHE_SECONDS = 60.0  # default of settings.auth_cache_seconds
 
 
 @dataclass
