@@ -16,8 +16,7 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-Outcome = Literal["ok", "numeric_error", "mismatch", "oom", "crash", "hang", "compile_error", "load_error"]
-DTypeName = Literal["fp16", "bf16", "fp32"]
+from kernelctl.vocab import DTypeName, Outcome
 
 
 class _Model(BaseModel):

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from cli.demo_fleet import FleetError, LocalFleet, NodeSpec
 from kernelctl.console import EXIT_ERROR, EXIT_USAGE, console, err_console, print_json
+from kernelctl.vocab import CANARY_PHASES
 
 STABLE, CANDIDATE, FAULT = "1.0.0", "1.1.0", "1.2.0-fault.drift"
 
@@ -138,7 +139,7 @@ class DemoView:
                     phases[p] = phases.get(p, 0) + 1
             if phases:  # trial before serve: staged (trialled, not served) -> verified -> serving
                 parts.append("canaries by phase: " + ", ".join(
-                    f"{p}={phases[p]}" for p in ("staged", "verified", "serving") if p in phases))
+                    f"{p}={phases[p]}" for p in CANARY_PHASES if p in phases))
         for o in self.outcomes:
             mark = "[green]ok[/]" if o.ok else "[red]unexpected[/]"
             parts.append(f"{o.ref}: {o.state} (expected {o.expected}) {mark} {o.reason or ''}")

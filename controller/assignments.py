@@ -40,6 +40,7 @@ from controller.compat import (
 from controller.db.models import Activation, Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
 from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
+from kernelctl.vocab import CANARY_PHASES, stratum_key
 
 CPU_CUDA = frozenset({"", "none", "unknown", "cpu"})
 
@@ -80,7 +81,7 @@ def rollout_canaries(session: Session, rollout_id: int) -> dict[int, str]:
         .join(Assignment, Assignment.node_id == Node.id)
         .where(Assignment.rollout_id == rollout_id)
     )
-    return {r[0]: f"{r[1]}/drv{str(r[2]).split('.')[0]}/triton{r[3]}" for r in rows}
+    return {r[0]: stratum_key(r[1], r[2], r[3]) for r in rows}
 
 
 def assign_step(
@@ -362,7 +363,7 @@ def build_desired(rows: list[AssignmentView], *, refs: dict[int, wire.BundleRef]
         out.append(wire.DesiredBundle(
             name=a.bundle_name, active=active, stable=stable, role="candidate" if candidate else "stable",
             trial=trial,
-            phase=a.phase if candidate and a.phase in ("staged", "verified", "serving") else None))  # type: ignore[arg-type]
+            phase=a.phase if candidate and a.phase in CANARY_PHASES else None))  # type: ignore[arg-type]
     return out
 
 
@@ -410,5 +411,5 @@ def canary_counts(session: Session, rollout_ids: list[int]) -> dict[tuple[int, s
         .where(Assignment.rollout_id.in_(rollout_ids), Node.state == "active")
         .group_by(Assignment.rollout_id, Node.arch, Node.driver_version, Node.triton_version)
     ):
-        counts[(rid, f"{arch}/drv{str(drv).split('.')[0]}/triton{tri}")] += n
+        counts[(rid, stratum_key(arch, drv, tri))] += n
     return dict(counts)

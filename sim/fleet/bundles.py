@@ -39,9 +39,8 @@ def prepare_bundles(cache: Path) -> SimBundles:
     files = {v: cache / f"{BUNDLE}-{v}.kpack" for v in VERSIONS}
     if trusted.is_dir() and all(f.exists() for f in files.values()):
         return SimBundles(trusted, files)
-    import triton
-
     from kernelpack.build import build_bundle
+    from kernelpack.scaffold import write_source
     from kernelpack.signing import generate_keypair
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -51,13 +50,8 @@ def prepare_bundles(cache: Path) -> SimBundles:
     (stage / "trusted" / key.public_path.name).write_bytes(key.public_path.read_bytes())
     for v in VERSIONS:
         src = stage / f"src-{v}"
-        src.mkdir()
-        (src / "bundle.toml").write_text(
-            f'schema_version = 1\nname = "{BUNDLE}"\nversion = "{v}"\nnote = "fleet simulator bundle {v}"\n\n'
-            f'[targets]\narchs = ["sm_80", "sm_90"]\nmin_driver = "535"\ncuda = ["12.x", "13.x"]\n'
-            f'triton = "{triton.__version__}"\ntorch = ">=2.9,<2.15"\n\n'
-            '[traffic]\ndecode_batch_sizes = [1, 8]\nprefill_tokens = [64]\n\n'
-            '[[kernels]]\nop = "bias_gelu"\nsource = "kernelpack.kernels.bias_gelu"\n')
+        write_source(src, BUNDLE, v, kernels={"bias_gelu": "kernelpack.kernels.bias_gelu"},
+                     note=f"fleet simulator bundle {v}", archs=("sm_80", "sm_90"), cuda=("12.x", "13.x"))
         build_bundle(src, stage / files[v].name, key.private_path)
     # publish atomically-enough: files first, the trusted dir last (its presence marks a complete cache)
     for v in VERSIONS:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from kernelctl.console import fail
 from sim.fleet.config import DEFAULT_HEARTBEAT_S, FleetConfig, SimError
 from sim.fleet.report import print_table
 from sim.fleet.run import run_fleet
@@ -55,8 +56,7 @@ def fleet_command(
     try:
         res = run_fleet(cfg)
     except SimError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc))
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:

@@ -14,10 +14,9 @@ import httpx
 
 from kernelctl.opclient import AsyncOperatorClient, Conflict, OperatorClient, OperatorError
 from kernelctl.procs import ServeProcess
+from kernelctl.vocab import TERMINAL_STATES
 from sim.fleet.agents import Fleet
 from sim.fleet.config import BASELINE, BUNDLE, FleetConfig, SimError
-
-TERMINAL = ("promoted", "rolled_back")
 
 
 def push(url: str, token: str, path: Path) -> None:
@@ -67,7 +66,7 @@ async def follow_rollout(cfg: FleetConfig, ctl: ServeProcess, fleet: Fleet, api:
         except (OperatorError, httpx.HTTPError) as exc:
             fleet.stats.observe("rollout_status", time.perf_counter() - t, type(exc).__name__)
         strata = detail.get("strata", [])
-        if strata and all(s["state"] in TERMINAL for s in strata):
+        if strata and all(s["state"] in TERMINAL_STATES for s in strata):
             return detail
         if sc.stale_share and not stopped and fleet.stats.accepted > 0:
             stopped = True

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kernelctl.vocab import stratum_key
+
 # The simulated heterogeneous fleet: (arch, compute capability, driver, GPU name). One stratum each.
 FLEET_KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("sm_80", "8.0", "535.183.01", "NVIDIA A100-SXM4-80GB"),
@@ -23,7 +25,7 @@ BREACH_STRATUM = "sm_80/drv535/triton3.6.0"  # the one stratum that reports nume
 
 def stratum_of(kind: tuple[str, str, str, str]) -> str:
     arch, _cc, driver, _gpu = kind
-    return f"{arch}/drv{driver.split('.')[0]}/triton{TRITON_VERSION}"
+    return stratum_key(arch, driver, TRITON_VERSION)
 
 
 @dataclass(frozen=True)
