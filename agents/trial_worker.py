@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import random
 import resource
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -476,13 +478,10 @@ class Worker:
             return int(torch.cuda.mem_get_info(self.device)[0])
         if self.spec.memory_limit_bytes:
             return int(self.spec.memory_limit_bytes)
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        with suppress(OSError), open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
         return None
 
     def _e2e(self) -> None:
@@ -517,7 +516,7 @@ class Worker:
                     res = decoder_block_latency(stable, cand, device=self.device, seed=spec.seed, **kw)
                     break
                 except DomainError as exc:  # this block's shapes/dtype lie outside one op's domain
-                    bad = str(exc).split(":", 1)[0].strip()
+                    bad = exc.op or ""
                     if bad not in cand and bad not in stable:
                         self.notes.append(f"decoder block skipped: {exc}")
                         return
@@ -539,10 +538,10 @@ class Worker:
 
     def _model_e2e(self) -> None:
         """Stable vs candidate on the profile's model (kernelpack.harness.model_e2e): TTFT at the prefill
-        sizes, time per output token at the decode batch sizes, top-k log-prob agreement. e2e_*_s carry the
-        median TTFT at the smallest prefill size; the whole summary goes into the notes as ``model_e2e {json}``."""
-        import json
-
+        sizes, time per output token at the decode batch sizes, top-k log-prob agreement. Every point is judged:
+        each round becomes one ``e2e_pairs`` entry, the geometric mean of that round's TTFT and TPOT timings per
+        arm (the rounds are interleaved, so the pair is matched); e2e_*_s carry the median pair. The whole
+        summary goes into the notes as ``model_e2e {json}``."""
         from kernelpack.harness.model_e2e import LOGPROB_BOUND, trial_model_e2e
 
         spec, model = self.spec, self.spec.model
@@ -553,9 +552,13 @@ class Worker:
                                   prefill_tokens=sorted(spec.prefill_tokens)[:1 if cpu else None] or [8],
                                   decode_batches=sorted(spec.batch_sizes)[:1 if cpu else None] or [1],
                                   rounds=spec.rounds, seed=spec.seed)
-            first = res.prefill[0]
-            self.result.e2e_stable_s = max(sorted(first["a_s"])[len(first["a_s"]) // 2], 1e-9)
-            self.result.e2e_candidate_s = max(sorted(first["b_s"])[len(first["b_s"]) // 2], 1e-9)
+            points, gm = [*res.prefill, *res.decode], statistics.geometric_mean
+            n = min(len(p["a_s"]) for p in points)
+            pairs = [(gm(max(p["a_s"][i], 1e-9) for p in points), gm(max(p["b_s"][i], 1e-9) for p in points))
+                     for i in range(n)]
+            self.result.e2e_pairs = [{"stable_s": a, "candidate_s": b} for a, b in pairs]
+            self.result.e2e_stable_s = sorted(a for a, _ in pairs)[n // 2]
+            self.result.e2e_candidate_s = sorted(b for _, b in pairs)[n // 2]
             self.notes.append("model_e2e " + json.dumps(res.summary(), separators=(",", ":")))
             if res.logprob_max_abs_diff > LOGPROB_BOUND[res.dtype]:
                 self.result.outcome = "numeric_error"

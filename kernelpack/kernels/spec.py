@@ -30,7 +30,12 @@ LaunchConfig = Mapping[str, Any]  # per-arch launch parameters from the manifest
 
 
 class DomainError(ValueError):
-    """An input lies outside a kernel's declared domain (dtype, shape range, alignment, contiguity)."""
+    """An input lies outside a kernel's declared domain (dtype, shape range, alignment, contiguity); ``op``
+    names the op whose domain it is (set by :meth:`KernelOp.__call__` when the raiser did not)."""
+
+    def __init__(self, message: str, *, op: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,11 @@ class KernelOp:
 
     def __call__(self, inputs: Inputs, config: LaunchConfig | None = None) -> Outputs:
         t0 = next(iter(inputs.values()))
-        self.domain.check(t0.dtype, self.shape_of(inputs), inputs)
+        try:
+            self.domain.check(t0.dtype, self.shape_of(inputs), inputs)
+        except DomainError as exc:
+            exc.op = exc.op or self.name
+            raise
         outs = self.alloc_outputs(inputs)
         self.run(inputs, outs, {**self.default_config, **(config or {})})
         return outs

@@ -62,6 +62,8 @@ def test_trial_worker_measures_the_profile_model(tmp_path, keys, serve_bundles) 
     result = Worker(spec).run()
     assert result.outcome == "ok", result.detail
     assert result.e2e_stable_s and result.e2e_candidate_s
+    # every TTFT and TPOT point reaches the judge: one matched pair per round, the judged e2e signal
+    assert len(result.e2e_pairs) == spec.rounds
     line = next(n for n in result.detail.splitlines() if n.startswith("model_e2e "))
     summary = json.loads(line.split(" ", 1)[1])
     assert summary["replaced"]["mlp"] == 1 and summary["tpot"][0]["batch"] == 2

@@ -46,6 +46,16 @@ def test_same_layout_and_check_outputs_name_the_tensors() -> None:
         spec.check_outputs("op", (torch.empty(3, 8), torch.empty(3, 8, dtype=torch.half)), a)
 
 
+def test_a_domain_error_names_its_op() -> None:
+    """Callers tell which op refused its input from ``DomainError.op``, never from the message text."""
+    from kernelpack.kernels.swiglu import OP
+
+    g = torch.zeros(3, 8, dtype=torch.float64)  # float64 is outside every op's domain
+    with pytest.raises(spec.DomainError) as info:
+        OP({"gate": g, "up": g})
+    assert info.value.op == "swiglu"
+
+
 @pytest.mark.parametrize("fault", ["crash", "drift", "oom", "slow", "edge", "rows", "memory", "launches", "cell"])
 def test_fault_fixtures_are_small_modules_over_the_stable_op(fault: str) -> None:
     """Each fixture imports the stable op and overrides only its faulty part; its bundle carries the stable
