@@ -43,3 +43,10 @@ class ConcurrentWrite(Conflict):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"{what} was changed by another writer at the same time; re-read it and retry")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message for a one-line log entry (its type name when it has none);
+    database drivers' messages run over several lines."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

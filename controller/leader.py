@@ -18,6 +18,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from controller.db.engine import is_sqlite, parse_url
+from controller.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class LeaderElector:
                         return True
                     self._set(False, "advisory lock no longer held")
                 except Exception as exc:
-                    self._set(False, f"leader connection lost: {str(exc).splitlines()[0] if str(exc) else exc}")
+                    self._set(False, f"leader connection lost: {first_line(exc)}")
                 self._close()
             try:
                 if self._conn is None or self._conn.closed:
@@ -104,7 +105,7 @@ class LeaderElector:
                     return True
                 return False
             except Exception as exc:
-                self._set(False, f"cannot reach the database: {str(exc).splitlines()[0] if str(exc) else exc}")
+                self._set(False, f"cannot reach the database: {first_line(exc)}")
                 self._close()
                 return False
 

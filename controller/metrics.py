@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.db.models import Assignment, Node, Rollout, RolloutStratum
+from controller.errors import first_line
 from kernelctl.vocab import CANARY_PHASES, ROLLOUT_STATES
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class _FleetCollector(Collector):
                     .where(RolloutStratum.state == "progressing", Rollout.state == "progressing")
                 )
         except Exception as exc:  # the DB being down must not break /metrics
-            log.warning("fleet metrics unavailable: %s", str(exc).splitlines()[0])
+            log.warning("fleet metrics unavailable: %s", first_line(exc))
             return
         if oldest is not None:
             if oldest.tzinfo is None:

@@ -47,7 +47,7 @@ from controller.desired_cache import (
     new_node_view,
     read_generation,
 )
-from controller.errors import KernelctlError
+from controller.errors import KernelctlError, first_line
 from kernelctl import wire
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class DesiredHub:
             try:
                 snap = await asyncio.to_thread(self._load_if_newer)
             except Exception as exc:  # database down: keep serving the last snapshot, retry on the next poll
-                log.warning("desired-state reload failed: %s", str(exc).splitlines()[0] if str(exc) else exc)
+                log.warning("desired-state reload failed: %s", first_line(exc))
                 snap = None
             spent = time.perf_counter() - started
             if snap is not None:
@@ -217,7 +217,7 @@ class DesiredHub:
                                 self.poke(int(n.payload))
             except Exception as exc:
                 log.warning("desired-state LISTEN connection lost (%s); retrying in %.1fs",
-                            str(exc).splitlines()[0] if str(exc) else exc, backoff)
+                            first_line(exc), backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
 
@@ -244,7 +244,7 @@ class DesiredHub:
             try:
                 await asyncio.to_thread(self.flush_liveness)
             except Exception as exc:  # kept for the next flush
-                log.warning("liveness flush failed (kept): %s", str(exc).splitlines()[0] if str(exc) else exc)
+                log.warning("liveness flush failed (kept): %s", first_line(exc))
 
     def note_staged(self, node_id: int, changes: dict[str, tuple[str, ...]]) -> None:
         for name, versions in changes.items():
