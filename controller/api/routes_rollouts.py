@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
@@ -107,8 +108,16 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
     )
 
 
+# PostgreSQL's "deadlock detected" and "could not serialize access": the server aborted the transaction to
+# break a lock cycle with another writer (the tick, a liveness flush); the documented remedy is to re-run it.
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+
+
 def _concurrent(exc: BaseException) -> bool:
-    """A lost optimistic-concurrency race (e.g. with the judge's tick): safe to retry on fresh state."""
+    """A lost race with another writer (e.g. the judge's tick): optimistic concurrency, or a transaction the
+    database aborted to break a deadlock. Safe to retry on fresh state."""
+    if isinstance(exc, OperationalError):
+        return getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
     return isinstance(exc, StaleDataError | ConcurrentWrite)
 
 
