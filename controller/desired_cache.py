@@ -55,7 +55,9 @@ def read_generation(session: Session) -> int:
     return int(session.execute(text("SELECT value FROM desired_generation WHERE id = 1")).scalar() or 0)
 
 
-def _mark(session: Session) -> None:
+def mark_desired_changed(session: Session) -> None:
+    """This transaction changed desired state through the Core connection (the ORM hooks do not see it):
+    its commit bumps the generation."""
     session.info[DIRTY] = True
 
 
@@ -78,11 +80,11 @@ def install_generation_hooks(factory: sessionmaker[Session], on_commit: Callable
         for obj in itertools.chain(session.new, session.dirty, session.deleted):
             table = getattr(obj, "__tablename__", None)
             if table in RELEVANT_TABLES and (obj not in session.dirty or session.is_modified(obj)):
-                _mark(session)
+                mark_desired_changed(session)
                 return
             # a new node is not a change of desired state: the hub loads nodes it does not know on its own
             if table == "nodes" and obj not in session.new and (obj in session.deleted or _node_changed(obj)):
-                _mark(session)
+                mark_desired_changed(session)
                 return
 
     @event.listens_for(factory, "do_orm_execute")
@@ -102,7 +104,7 @@ def install_generation_hooks(factory: sessionmaker[Session], on_commit: Callable
             frozen = result.freeze()
             rowcount, result = len(frozen.data), frozen()
         if state.is_insert or rowcount != 0:  # an UPDATE that matched nothing changed nothing
-            _mark(state.session)
+            mark_desired_changed(state.session)
         return result
 
     @event.listens_for(factory, "before_commit")
@@ -192,6 +194,24 @@ class Snapshot:
             if row.staged != versions:
                 out[name] = versions
         return out
+
+    def switch_ids(self, node: NodeView, req: wire.HeartbeatRequest) -> dict[str, int | None] | None:
+        """The reported active version (bundle id, None: none) per bundle name of the node when this
+        heartbeat's only news is a version switch and the phase that follows from it (written in batches by
+        ``controller.switches``); None when it needs the full transaction."""
+        if node.state != "active" or req.inventory is not None or node.needs_sync:
+            return None
+        active: dict[str, int | None] = {}
+        for r in req.active:
+            bid = self.by_ref.get((r.name, r.version, r.digest))
+            if bid is None:
+                return None  # a version this snapshot does not know: let the transaction resolve it
+            active[r.name] = bid
+        for name in set(active) | {r.name for r in req.staged if (r.name, r.version, r.digest) in self.by_ref}:
+            row = node.rows.get(name)
+            if row is None or row.staged is None:
+                return None
+        return {name: active.get(name) for name in node.rows}
 
     def fast_path(self, node: NodeView, req: wire.HeartbeatRequest) -> bool:
         """True when this heartbeat changes nothing but liveness and staged versions (mirrors

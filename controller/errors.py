@@ -45,6 +45,16 @@ class ConcurrentWrite(Conflict):
         super().__init__(f"{what} was changed by another writer at the same time; re-read it and retry")
 
 
+class Overloaded(KernelctlError):
+    """Too many writes wait already: the client retries after ``retry_after`` seconds (503 + Retry-After)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message for a one-line log entry (its type name when it has none);
     database drivers' messages run over several lines."""

@@ -142,6 +142,12 @@ class Metrics:
         self.overload = Counter(
             "kernelctl_overload_total", "Requests answered 503 with Retry-After because too much work waited.",
             ["what"], registry=r)
+        self.group_commit = Histogram(
+            "kernelctl_group_commit_seconds", "One group-committed batch of writes (registrations, switches).",
+            ["what"], buckets=LATENCY_BUCKETS, registry=r)
+        self.group_commit_items = Histogram(
+            "kernelctl_group_commit_items", "Requests written per group-committed batch.", ["what"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
         self._factory: sessionmaker[Session] | None = None
         r.register(_FleetCollector(lambda: self._factory))
         self.leader.set(0)

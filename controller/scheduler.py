@@ -58,6 +58,7 @@ def start_hub(state: AppState) -> DesiredHub:
     s = state.settings
     hub = DesiredHub(state.factory, s.database_url, poll_seconds=s.watch_poll_seconds,
                      liveness_flush_seconds=s.liveness_flush_seconds, max_pending_writes=s.max_pending_writes,
+                     max_queued_writes=s.max_queued_writes,
                      metrics=state.metrics)
     if not getattr(state.factory, "_kctl_generation_hooks", False):
         install_generation_hooks(state.factory, on_commit=lambda gen: getattr(state, "hub", hub).poke(gen))

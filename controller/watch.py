@@ -38,29 +38,24 @@ from typing import Any
 from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from controller.db.engine import session_scope
 from controller.desired_cache import (
     CHANNEL,
     LAST_GENERATION,
     NodeView,
+    Row,
     Snapshot,
     load_snapshot,
     new_node_view,
     read_generation,
 )
-from controller.errors import KernelctlError, first_line
+from controller.enrollment import Registration, register_many
+from controller.errors import Overloaded, first_line
+from controller.group_commit import GroupCommit
+from controller.switches import FULL, Switch, Switched, record_switches
 from kernelctl import wire
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(KernelctlError):
-    """Too many writes wait already: the client retries after ``retry_after`` seconds (503)."""
-
-    status_code = 503
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 PG_STAGED = text(
@@ -78,7 +73,7 @@ class DesiredHub:
 
     def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
                  min_reload_seconds: float = 0.05, liveness_flush_seconds: float = 1.0,
-                 max_pending_writes: int = 64, metrics: Any = None) -> None:
+                 max_pending_writes: int = 64, max_queued_writes: int = 5000, metrics: Any = None) -> None:
         self.factory = factory
         self.url = database_url
         self.poll_seconds = poll_seconds
@@ -102,12 +97,20 @@ class DesiredHub:
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._postgres = factory.kw["bind"].dialect.name == "postgresql"
+        # group commit (controller.group_commit): registrations, and heartbeats whose news is a version switch
+        self.registrations: GroupCommit[Registration] = GroupCommit(
+            "registrations", self._write_registrations, max_queued=max_queued_writes, metrics=metrics)
+        self.switches: GroupCommit[Switch] = GroupCommit(
+            "switches", self._write_switches, max_queued=max_queued_writes, metrics=metrics,
+            on_done=self._switched)
 
     # ------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         with contextlib.suppress(Exception):  # the database may be down at start: the loop retries
             self._install(await asyncio.to_thread(load_snapshot, self.factory))
+        self.registrations.start()
+        self.switches.start()
         self._tasks = [asyncio.create_task(self._reload_loop(), name="desired-reload"),
                        asyncio.create_task(self._flush_loop(), name="liveness-flush")]
         if self._postgres:
@@ -119,6 +122,8 @@ class DesiredHub:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.registrations.stop()
+        await self.switches.stop()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.flush_liveness)
         for events in self._waiters.values():
@@ -234,6 +239,56 @@ class DesiredHub:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(add)
 
+    # ------------------------------------------------------------------------------- group commits
+    def _write_registrations(self, items: list[Registration]) -> list[Any]:
+        with session_scope(self.factory) as session:
+            return register_many(session, items)
+
+    def _write_switches(self, items: list[Switch]) -> list[tuple[Any, int | None]]:
+        with session_scope(self.factory) as session:
+            results = record_switches(session, items)
+        gen = session.info.get(LAST_GENERATION) if any(isinstance(r, Switched) and r.changed for r in results) \
+            else None
+        return [(r, gen) for r in results]
+
+    def _switched(self, items: list[Switch], results: Any) -> None:
+        """A committed batch of switches: patch this replica's snapshot (no reload when nothing else committed
+        in between) so the nodes' next heartbeats are served from memory."""
+        snap = self.snapshot
+        gen = next((g for _r, g in results if g is not None), None)
+        for it, (res, _g) in zip(items, results, strict=True):
+            node = snap.nodes.get(it.node_name)
+            if not isinstance(res, Switched) or node is None or node.id != it.node_id:
+                continue
+            rows = {name: Row(view, active, node.rows[name].staged if name in node.rows else ())
+                    for name, (view, active) in res.rows.items()}
+            patched = NodeView(node.id, node.name, node.stratum, node.cpu, node.state, rows, node.needs_sync)
+            patched.key = (node.stratum, node.cpu, tuple(sorted((r.view for r in rows.values()),
+                                                                key=lambda v: v.bundle_name)))
+            snap.nodes[it.node_name] = patched
+            if patched.key != node.key and gen is not None:
+                self.node_gen[it.node_name] = gen
+        if gen is not None and snap.generation == gen - 1:
+            snap.generation = gen  # the snapshot plus this batch is the state at gen
+
+    async def switch(self, node: NodeView, req: wire.HeartbeatRequest, ids: dict[str, int | None],
+                     heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int] | None:
+        """A heartbeat whose news is a version switch, group-committed; None: it needs the full transaction."""
+        now = dt.datetime.now(dt.timezone.utc)
+        res, gen = await self.switches.submit(Switch(node.id, node.name, ids, now))
+        if res is FULL:
+            return None
+        snap = self.snapshot
+        view = snap.nodes.get(node.name, node)
+        self.note_alive(node.id, now)
+        self.note_staged(node.id, snap.staged_changes(view, req))
+        mine = self.node_gen.get(node.name, snap.generation)
+        if gen is not None and snap.generation < gen:
+            mine = gen  # not yet in this snapshot: the node's next watch waits for the reload
+        return wire.HeartbeatResponse.model_construct(
+            node_name=req.node_name, desired=snap.desired(view), heartbeat_seconds=heartbeat_seconds, server_time=now,
+            generation=mine), mine
+
     # ------------------------------------------------------------------------------- liveness
     def note_alive(self, node_id: int, at: dt.datetime) -> None:
         self._liveness[node_id] = at
@@ -310,7 +365,7 @@ class DesiredHub:
     async def heartbeat(self, req: wire.HeartbeatRequest, *, heartbeat_seconds: float,
                         slow_path: Any) -> tuple[wire.HeartbeatResponse, float, str]:
         """Answer one heartbeat (see the module docstring); returns the reply, the seconds spent holding it and
-        the path ("fast": from the snapshot, "slow": a transaction).
+        the path ("fast": from the snapshot, "switch": a group-committed version switch, "slow": a transaction).
 
         ``slow_path(req) -> (HeartbeatResponse, generation)`` runs the full transaction (in a thread).
         """
@@ -326,13 +381,18 @@ class DesiredHub:
                     self._unknown = True
                     self.loop_call(self._poke.set, delay=self.unknown_reload_seconds)
                 try:
-                    reply, gen = await self.slow(slow_path, req)
+                    ids = snap.switch_ids(node, req) if node is not None and snap.generation >= (
+                        req.generation or 0) else None
+                    done = await self.switch(node, req, ids, heartbeat_seconds) \
+                        if node is not None and ids is not None else None
+                    path = "switch" if done is not None else "slow"
+                    reply, gen = done if done is not None else await self.slow(slow_path, req)
                 except Overloaded:
                     if node is not None:  # refused for now, but alive: an overload never makes a node stale
                         self.note_alive(node.id, dt.datetime.now(dt.timezone.utc))
                     raise
                 if req.generation is None or gen > req.generation or deadline - time.monotonic() <= 0:
-                    return reply.model_copy(update={"generation": gen}), held, "slow"
+                    return reply.model_copy(update={"generation": gen}), held, path
                 mine = gen  # written, but nothing newer for the node: hold it like any watch
             else:
                 mine = self.node_gen.get(req.node_name, snap.generation)

@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     max_pending_writes: int = Field(
         64, gt=0, description="Most agent writes (registrations, heartbeats that change something, report "
         "batches) waiting at once per replica; more are answered 503 with Retry-After.")
+    max_queued_writes: int = Field(
+        4096, gt=0, description="Most group-committed agent writes (registrations, version switches) queued at "
+        "once per replica; more are answered 503 with Retry-After.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
         None, description="File of `role name token` lines hashed into the database at start-up."

@@ -178,7 +178,8 @@ def test_watch_is_held_until_the_desired_state_changes(db_url: str, tmp_path, bu
 
 
 def test_overload_answers_503_with_retry_after_and_agents_back_off(db_url: str, tmp_path) -> None:
-    with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_PENDING_WRITES": "1"}) as ctl:
+    with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_PENDING_WRITES": "1",
+                                                         "KERNELCTL_MAX_QUEUED_WRITES": "1"}) as ctl:
 
         def raw(i: int) -> httpx.Response:
             with ctl.client("enroll") as c:

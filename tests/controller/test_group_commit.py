@@ -1,0 +1,195 @@
+"""Group-committed writes (issue 16): set-based registrations and version switches write exactly what the
+one-request-one-transaction paths write, refuse items one by one, and a hub batches concurrent requests.
+
+On SQLite and PostgreSQL. Registrations: ``controller.enrollment.register_many`` vs ``registry.register_node``
++ ``auth.issue_node_token``; switches: ``controller.switches.record_switches`` vs ``registry.heartbeat``
+(assignment rows, canary phases, activation history with its rollout/verification tags, events, the reply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import re
+
+import pytest
+from sqlalchemy import select
+
+from controller import registry
+from controller.auth import Principal, authenticate, issue_node_token
+from controller.db.models import Activation, ApiToken, Assignment, Event, Node
+from controller.desired_cache import install_generation_hooks, load_snapshot, read_generation
+from controller.enrollment import Registered, Registration, register_many
+from controller.errors import Conflict
+from controller.switches import FULL, Switch, Switched, record_switches
+from controller.watch import DesiredHub
+from kernelctl import wire
+from tests.controller.enginekit import T0, Kit, inventory
+from tests.controller.test_serve_phase import _send, _stable_and_candidate
+
+ENROLL = Principal(token_id=1, name="enroll", role="agent")
+
+
+@pytest.fixture
+def kit(db_url, tmp_path):
+    k = Kit(db_url, tmp_path)
+    install_generation_hooks(k.factory)
+    yield k
+    k.close()
+
+
+def _events(kit: Kit, node: str) -> list[tuple[str, str | None, dict]]:
+    return [(e.action, e.bundle, e.payload) for e in kit.events(node=node)]
+
+
+def _norm(rows: list[tuple[str, str | None, dict]], name: str) -> list[tuple[str, str | None, str]]:
+    return [(a, b, re.sub(r"\d+", "#", str(p).replace(name, "N"))) for a, b, p in rows]  # ids differ
+
+
+def test_register_many_writes_what_one_by_one_registration_writes(kit: Kit) -> None:
+    with kit.tx() as s:  # an operator issued a token for b-1 / c-1 before they registered: it is superseded
+        issue_node_token(s, "b-1", actor="op")
+        issue_node_token(s, "c-1", actor="op")
+    with kit.tx() as s:
+        done = register_many(s, [Registration(wire.RegisterRequest(node_name=f"b-{i}", inventory=inventory()),
+                                              ENROLL) for i in range(3)], now=T0)
+    with kit.tx() as s:
+        for i in range(3):
+            registry.register_node(s, f"c-{i}", inventory(), actor=ENROLL.actor, now=T0, new_only=True)
+            issue_node_token(s, f"c-{i}", actor=ENROLL.actor)
+    assert all(isinstance(d, Registered) and d.new for d in done)
+    for i in range(3):
+        b, c = f"b-{i}", f"c-{i}"
+        ev_b = [e for e in _events(kit, b) if e[0] != "token.created" or e[2]["role"] == "agent"]
+        assert _norm(ev_b, b) == _norm(_events(kit, c), c)
+    with kit.tx() as s:
+        nodes = {n.name: n for n in s.scalars(select(Node))}
+        assert {k: getattr(nodes["b-0"], k) for k in ("arch", "driver_version", "state", "labels")} == \
+            {k: getattr(nodes["c-0"], k) for k in ("arch", "driver_version", "state", "labels")}
+        live = {t.node_name: t for t in s.scalars(select(ApiToken).where(ApiToken.revoked_at.is_(None)))}
+        assert sorted(live) == ["b-0", "b-1", "b-2", "c-0", "c-1", "c-2"]  # one live token each: the new one
+        for d, name in zip(done, ("b-0", "b-1", "b-2"), strict=True):
+            assert d.node_id == nodes[name].id
+            assert authenticate(s, d.token).node == name
+
+
+def test_register_many_refuses_items_one_by_one(kit: Kit) -> None:
+    kit.nodes(1, prefix="old")
+    with kit.tx() as s:
+        node_token = issue_node_token(s, "old-000", actor="op")
+        own = authenticate(s, node_token)
+    items = [Registration(wire.RegisterRequest(node_name=n, inventory=inventory(driver=d)), p) for n, d, p in [
+        ("new-0", "550.54.15", ENROLL),
+        ("old-000", "550.54.15", ENROLL),  # exists: an enrollment token registers new nodes only
+        ("new-0", "550.54.15", ENROLL),  # twice in one batch: the second is refused like a late duplicate
+        ("old-000", "560.28.03", own),  # re-registration with the node's own token: inventory updated
+        ("new-1", "550.54.15", ENROLL),
+    ]]
+    with kit.tx() as s:
+        out = register_many(s, items, now=T0)
+    assert [type(o).__name__ for o in out] == ["Registered", "Conflict", "Conflict", "Registered", "Registered"]
+    assert "already registered" in str(out[1]) and not out[3].new
+    with kit.tx() as s:
+        assert s.scalar(select(Node.driver_version).where(Node.name == "old-000")) == "560.28.03"
+        assert authenticate(s, out[3].token).node == "old-000"
+        with pytest.raises(Exception, match="revoked"):
+            authenticate(s, node_token)
+        assert sorted(s.scalars(select(Node.name))) == ["new-0", "new-1", "old-000"]
+
+
+def _gen(kit: Kit) -> int:
+    with kit.tx() as s:
+        return read_generation(s)
+
+
+def _ids(kit: Kit, node: str, active: list[wire.BundleRef]) -> tuple[int, dict[str, int | None]]:
+    snap = load_snapshot(kit.factory)
+    view = snap.nodes[node]
+    ids = snap.switch_ids(view, wire.HeartbeatRequest(node_name=node, active=active))
+    assert ids is not None
+    return view.id, ids
+
+
+def _state(kit: Kit, node: str) -> tuple:
+    with kit.tx() as s:
+        nid = s.scalar(select(Node.id).where(Node.name == node))
+        a = s.scalar(select(Assignment).where(Assignment.node_id == nid))
+        acts = [(x.bundle_id, x.started_at, x.ended_at, x.rollout_id, x.verified_at is not None)
+                for x in s.scalars(select(Activation).where(Activation.node_id == nid).order_by(Activation.id))]
+        return (a.active_bundle_id, a.phase), acts
+
+
+def test_switches_write_what_the_heartbeat_transaction_writes(kit: Kit) -> None:
+    rid, stable, cand = _stable_and_candidate(kit, nodes=4)  # plan 100%: every node is a canary
+    t = [T0 + dt.timedelta(seconds=i) for i in range(10)]
+    steps = [(t[1], [stable]), (t[3], [cand]), (t[4], [stable]), (t[5], [cand]), (t[6], []), (t[7], [stable])]
+    for at, active in steps:
+        if at == t[3]:
+            for n in ("gpu-000", "gpu-002"):
+                _send(kit, n, rid, cand, stable, "ok", t[2])  # verified: may serve the candidate
+        with kit.tx() as s:
+            reply = registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", active=active), at,
+                                       heartbeat_seconds=5)
+        nid, ids = _ids(kit, "gpu-002", active)
+        g0 = _gen(kit)
+        with kit.tx() as s:
+            (res,) = record_switches(s, [Switch(nid, "gpu-002", ids, at)])
+        assert isinstance(res, Switched)
+        assert (_gen(kit) > g0) == res.changed
+        assert _state(kit, "gpu-000") == _state(kit, "gpu-002")
+        # the reply built from the switched rows is the transaction's reply
+        snap = load_snapshot(kit.factory)
+        assert snap.desired(snap.nodes["gpu-002"]) == reply.desired
+        assert {n: v.phase for n, (v, _a) in res.rows.items()} == {d.name: d.phase for d in reply.desired}
+    assert _state(kit, "gpu-000")[0] == (stable_id := _state(kit, "gpu-002")[0]) and stable_id[1] == "verified"
+    assert _norm(_events(kit, "gpu-000"), "gpu-000")[-6:] == _norm(_events(kit, "gpu-002"), "gpu-002")[-6:]
+    acts = _state(kit, "gpu-002")[1]
+    assert [(a[3] is not None, a[4]) for a in acts if a[0] != acts[0][0]] == [(True, True), (True, True)]
+
+
+def test_switch_of_a_stale_node_or_one_twice_in_a_batch_takes_the_full_path(kit: Kit) -> None:
+    _rid, stable, _cand = _stable_and_candidate(kit, nodes=2)
+    nid0, ids0 = _ids(kit, "gpu-000", [stable])
+    nid1, ids1 = _ids(kit, "gpu-001", [stable])
+    with kit.tx() as s:
+        s.get(Node, nid1).state = "stale"
+    with kit.tx() as s:
+        out = record_switches(s, [Switch(nid0, "gpu-000", ids0, T0), Switch(nid0, "gpu-000", ids0, T0),
+                                  Switch(nid1, "gpu-001", ids1, T0)])
+    assert isinstance(out[0], Switched) and out[1] is FULL and out[2] is FULL
+
+
+def test_hub_batches_concurrent_switches_and_registrations_in_few_transactions(kit: Kit, db_url: str) -> None:
+    _rid, stable, _cand = _stable_and_candidate(kit, nodes=30)
+
+    async def run() -> tuple[list, list, int]:
+        hub = DesiredHub(kit.factory, db_url)
+        await hub.start()
+        batches: list[int] = []
+        write = hub.switches.write
+        hub.switches.write = lambda items: (batches.append(len(items)), write(items))[1]  # type: ignore[method-assign]
+        try:
+            g0 = hub.snapshot.generation
+            replies = await asyncio.gather(*(hub.heartbeat(
+                wire.HeartbeatRequest(node_name=f"gpu-{i:03d}", active=[stable]), heartbeat_seconds=5,
+                slow_path=lambda r: pytest.fail(f"{r.node_name} took the full transaction")) for i in range(30)))
+            regs = await asyncio.gather(*(hub.registrations.submit(Registration(
+                wire.RegisterRequest(node_name=f"late-{i}", inventory=inventory()), ENROLL)) for i in range(20)))
+            assert hub.snapshot.generation > g0  # patched in place: the batches' generations are known
+            return replies, regs, len(batches)
+        finally:
+            await hub.stop()
+
+    replies, regs, n_batches = asyncio.run(run())
+    assert all(path == "switch" for _r, _held, path in replies)
+    assert all(r.desired[0].active == stable for r, _h, _p in replies)
+    assert n_batches < 30  # concurrent requests share transactions
+    assert all(isinstance(r, Registered) for r in regs)
+    with kit.tx() as s:
+        assert s.scalar(select(Node).where(Node.name == "late-19")) is not None
+        assert len(list(s.scalars(select(Event).where(Event.action == "assignment.activated")))) >= 30
+    with pytest.raises(Conflict):
+        with kit.tx() as s:
+            (again,) = register_many(s, [Registration(wire.RegisterRequest(node_name="late-0",
+                                                                           inventory=inventory()), ENROLL)])
+            raise again
