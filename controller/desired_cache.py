@@ -17,12 +17,14 @@ no stable version to add); only then may it be answered from memory.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import event, inspect, select, text
+from sqlalchemy import Text, cast, event, inspect, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.assignments import AssignmentView, build_desired, trial_shapes  # noqa: F401 - re-exported
@@ -248,8 +250,16 @@ def new_node_view(node_id: int, name: str, inventory: wire.Inventory, snap: Snap
     return view
 
 
-def _staged(doc: Any) -> tuple[str, ...] | None:
-    if isinstance(doc, dict) and set(doc) == {"versions"} and isinstance(doc["versions"], list):
+@functools.lru_cache(maxsize=4096)
+def _staged(raw: str | None) -> tuple[str, ...] | None:
+    """The staged versions of a stored ``staged`` document (its JSON text: the fleet shares a few values, each
+    parsed once)."""
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and set(doc) == {"versions"} and isinstance(doc["versions"], list) \
+            and all(isinstance(v, str) for v in doc["versions"]):
         return tuple(doc["versions"])
     return None
 
@@ -270,7 +280,7 @@ def load_snapshot(factory: sessionmaker[Session]) -> Snapshot:
         for nid, bname, desired, stable, rid, phase, active, staged in session.execute(select(
                 Assignment.node_id, Assignment.bundle_name, Assignment.desired_bundle_id,
                 Assignment.stable_bundle_id, Assignment.rollout_id, Assignment.phase, Assignment.active_bundle_id,
-                Assignment.staged)):
+                cast(Assignment.staged, Text))):
             rows.setdefault(nid, {})[bname] = Row(AssignmentView(bname, desired, stable, rid, phase), active,
                                                   _staged(staged))
             if rid is not None:
