@@ -33,6 +33,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import bindparam, text
@@ -252,24 +253,49 @@ class DesiredHub:
         return [(r, gen) for r in results]
 
     def _switched(self, items: list[Switch], results: Any) -> None:
-        """A committed batch of switches: patch this replica's snapshot (no reload when nothing else committed
-        in between) so the nodes' next heartbeats are served from memory."""
+        """A committed batch of switches: patch this replica's snapshot so the nodes' next heartbeats are
+        served from memory."""
         snap = self.snapshot
-        gen = next((g for _r, g in results if g is not None), None)
+        patches: dict[str, dict[str, Row]] = {}
         for it, (res, _g) in zip(items, results, strict=True):
             node = snap.nodes.get(it.node_name)
-            if not isinstance(res, Switched) or node is None or node.id != it.node_id:
-                continue
-            rows = {name: Row(view, active, node.rows[name].staged if name in node.rows else ())
+            if isinstance(res, Switched) and node is not None and node.id == it.node_id:
+                patches[it.node_name] = {
+                    name: Row(view, active, node.rows[name].staged if name in node.rows else ())
                     for name, (view, active) in res.rows.items()}
-            patched = NodeView(node.id, node.name, node.stratum, node.cpu, node.state, rows, node.needs_sync)
-            patched.key = (node.stratum, node.cpu, tuple(sorted((r.view for r in rows.values()),
+        self.patch(next((g for _r, g in results if g is not None), None), patches)
+
+    def verified(self, node_name: str, rollout_ids: list[int], generation: int | None) -> None:
+        """Report ingestion verified the node's canary of these rollouts (trial before serve): its desired
+        state now serves the candidate. Patched here at once (the node's watch answers without a reload)."""
+        node = self.snapshot.nodes.get(node_name)
+        if node is None or not rollout_ids or generation is None:
+            return
+        rows = {name: Row(replace(r.view, phase="verified"), r.active_id, r.staged)
+                if r.view.rollout_id in rollout_ids and r.view.phase in (None, "staged") else r
+                for name, r in node.rows.items()}
+        self.patch(generation, {node_name: rows})
+
+    def patch(self, generation: int | None, rows: dict[str, dict[str, Row]]) -> None:
+        """Nodes' assignment rows as a commit at ``generation`` left them: patched into this replica's
+        snapshot, their watches woken where the desired state changed, and the snapshot moved to
+        ``generation`` when nothing else committed in between (else the reload that the commit asked for
+        brings the rest)."""
+        snap = self.snapshot
+        for name, mine in rows.items():
+            node = snap.nodes.get(name)
+            if node is None:
+                continue
+            patched = NodeView(node.id, node.name, node.stratum, node.cpu, node.state, mine, node.needs_sync)
+            patched.key = (node.stratum, node.cpu, tuple(sorted((r.view for r in mine.values()),
                                                                 key=lambda v: v.bundle_name)))
-            snap.nodes[it.node_name] = patched
-            if patched.key != node.key and gen is not None:
-                self.node_gen[it.node_name] = gen
-        if gen is not None and snap.generation == gen - 1:
-            snap.generation = gen  # the snapshot plus this batch is the state at gen
+            snap.nodes[name] = patched
+            if patched.key != node.key and generation is not None:
+                self.node_gen[name] = generation
+                for ev in self._waiters.get(name, ()):
+                    ev.set()
+        if generation is not None and snap.generation == generation - 1:
+            snap.generation = generation  # the snapshot plus this commit is the state at its generation
 
     async def switch(self, node: NodeView, req: wire.HeartbeatRequest, ids: dict[str, int | None],
                      heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int] | None:
