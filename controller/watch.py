@@ -38,8 +38,9 @@ from typing import Any
 
 from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
-from controller.db.engine import session_scope
+from controller.db.engine import aborted_by_lock_cycle, session_scope
 from controller.desired_cache import (
     CHANNEL,
     LAST_GENERATION,
@@ -57,6 +58,9 @@ from controller.switches import FULL, Switch, Switched, record_switches
 from kernelctl import wire
 
 log = logging.getLogger(__name__)
+# a batch the database aborted to break a lock cycle (with the liveness flush, the tick) is written again
+GROUP_RETRY = retry(retry=retry_if_exception(aborted_by_lock_cycle), stop=stop_after_attempt(5),
+                    wait=wait_random(0.01, 0.1), reraise=True)
 
 
 PG_STAGED = text(
@@ -241,10 +245,12 @@ class DesiredHub:
                 loop.call_soon_threadsafe(add)
 
     # ------------------------------------------------------------------------------- group commits
+    @GROUP_RETRY
     def _write_registrations(self, items: list[Registration]) -> list[Any]:
         with session_scope(self.factory) as session:
             return register_many(session, items)
 
+    @GROUP_RETRY
     def _write_switches(self, items: list[Switch]) -> list[tuple[Any, int | None]]:
         with session_scope(self.factory) as session:
             results = record_switches(session, items)

@@ -8,7 +8,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from sqlalchemy import func, select
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
@@ -27,6 +26,7 @@ from controller.api.schemas import (
     VerdictOut,
 )
 from controller.compat import load_fleet
+from controller.db.engine import aborted_by_lock_cycle
 from controller.db.models import Assignment, Bundle, Rollout, Verdict
 from controller.errors import ConcurrentWrite, Conflict, NotFound
 from controller.explain import RolloutExplain
@@ -108,17 +108,10 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
     )
 
 
-# PostgreSQL's "deadlock detected" and "could not serialize access": the server aborted the transaction to
-# break a lock cycle with another writer (the tick, a liveness flush); the documented remedy is to re-run it.
-RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-
-
 def _concurrent(exc: BaseException) -> bool:
     """A lost race with another writer (e.g. the judge's tick): optimistic concurrency, or a transaction the
     database aborted to break a deadlock. Safe to retry on fresh state."""
-    if isinstance(exc, OperationalError):
-        return getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
-    return isinstance(exc, StaleDataError | ConcurrentWrite)
+    return aborted_by_lock_cycle(exc) or isinstance(exc, StaleDataError | ConcurrentWrite)
 
 
 # Operator transitions re-run their whole transaction when they lose a race with the tick (fresh read each

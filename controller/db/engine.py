@@ -15,6 +15,15 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+# PostgreSQL's "deadlock detected" and "could not serialize access": the server aborted the transaction to
+# break a lock cycle with another writer (the tick, a liveness flush); the documented remedy is to re-run it.
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+
+
+def aborted_by_lock_cycle(exc: BaseException) -> bool:
+    """The database aborted this transaction to break a deadlock or a serialization conflict: re-run it."""
+    return isinstance(exc, OperationalError) and getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
+
 
 class DatabaseError(RuntimeError):
     """A database problem explained in one line (bad URL, unreachable, schema out of date)."""
