@@ -10,8 +10,10 @@ the judge's noise model, :mod:`sim.judge.noise`) and sends it as a ``wire.Report
 key, kept in the agent's outbox until a 200 acknowledges it. 429/503 answers are retried after their
 ``Retry-After`` with jitter; nothing leaves the outbox unacknowledged.
 
-HTTP: the agents are spread over shards of ``httpx.AsyncClient`` (at most :data:`SHARD` agents each, two
-connections per agent: the watch and a report), so no pool scans thousands of waiters.
+HTTP: :mod:`sim.fleet.http` (h11 on asyncio, a fraction of httpx's CPU per request, so the simulator measures
+the controller and not itself). Each agent keeps its own persistent connection for its watch, re-issued on it
+as soon as a reply arrives, and a second one for its writes (registration, report batches, the bundle
+download), opened when needed and dropped when idle before the controller's keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -27,16 +29,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 from pydantic import BaseModel
 
 from kernelctl import wire
+from sim.fleet import http
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
 from sim.fleet.scenarios import FLEET_KINDS, TRITON_VERSION, stratum_of
 
-SHARD = 8  # agents per httpx.AsyncClient (its pool scans every connection on each request)
 MAX_TRIALS_PER_ROUND = 8
+JSON = (b"content-type", b"application/json")
 
 
 class Stats:
@@ -79,6 +81,19 @@ class SimAgent:
     trials: int = 0
     stopped: bool = False
     trial_task: asyncio.Task[None] | None = None
+    hb_key: tuple[Any, ...] | None = None  # what the cached heartbeat body was built from
+    hb_body: bytes = b""
+
+    def heartbeat_body(self, wait_seconds: float) -> bytes:
+        """The ``wire.HeartbeatRequest`` JSON, built again only when what it reports changed."""
+        key = (self.generation, len(self.staged), self.active)
+        if key != self.hb_key:
+            self.hb_body = wire.HeartbeatRequest(
+                node_name=self.name, staged=list(self.staged.values()), active=[self.active] if self.active else [],
+                generation=self.generation, wait_seconds=wait_seconds if self.generation is not None else 0.0,
+            ).model_dump_json().encode()
+            self.hb_key = key
+        return self.hb_body
 
     @property
     def stratum(self) -> str:
@@ -91,7 +106,7 @@ class SimAgent:
                               memory_total_mb=81920, labels={"cluster": f"sim-{self.index % 4}"})
 
 
-def retry_after(resp: httpx.Response | None, default: float) -> float:
+def retry_after(resp: http.Response | None, default: float) -> float:
     """Seconds to wait after a 429/503 (its ``Retry-After``, with up to 50% jitter on top)."""
     base = default
     if resp is not None:
@@ -120,37 +135,37 @@ class Fleet:
         self.base_url = ""
         self.started = time.monotonic()  # when the agents were started (registration is timed from here)
         self.restart: dict[str, float] | None = None  # controller-restart scenario: when and how long
-        n_shards = max(1, math.ceil(cfg.nodes / SHARD))
-        # idle connections are dropped before the controller's keep-alive timeout (5 s) closes them under us
-        limits = httpx.Limits(max_connections=2 * SHARD + 2, max_keepalive_connections=2 * SHARD + 2,
-                              keepalive_expiry=4.0)
-        self.clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, pool=120.0))
-                        for _ in range(n_shards)]
+        self.http: http.Client | None = None  # opened by the first request (``base_url`` is set by then)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+        if self.http is not None:
+            await self.http.aclose()
 
     def agent(self, name: str) -> SimAgent:
         return self.agents[int(name.rsplit("-", 1)[1])]
 
     async def request(self, a: SimAgent, endpoint: str, method: str, path: str, token: str,
-                      body: BaseModel | None = None, *, timeout: float = 30.0,
-                      gated: bool = True) -> httpx.Response | None:
-        """One agent request; its latency includes any wait for the gate (what an agent sees)."""
-        client = self.clients[a.index // SHARD]
-        headers = {"Authorization": f"Bearer {token}"}
-        kw: dict[str, Any] = {"timeout": timeout, "headers": headers}
+                      body: BaseModel | bytes | None = None, *, timeout: float = 30.0,
+                      gated: bool = True, watch: bool = False) -> http.Response | None:
+        """One agent request; its latency includes any wait for the gate (what an agent sees). ``watch``: on
+        the agent's watch connection (its heartbeats), otherwise on its connection for writes."""
+        client = self.http
+        if client is None:
+            client = self.http = http.Client(self.base_url)
+        headers = [(b"authorization", b"Bearer " + token.encode())]
+        content: bytes | None = None
         if body is not None:
-            kw["content"] = body.model_dump_json()
-            headers["Content-Type"] = "application/json"
+            content = body if isinstance(body, bytes) else body.model_dump_json().encode()
+            headers.append(JSON)
+        lane = (a.index, watch)
         t0 = time.perf_counter()
         try:
             if gated:
                 async with self.gate:
-                    r = await client.request(method, self.base_url + path, **kw)
+                    r = await client.request(lane, method, path, headers, content, timeout=timeout)
             else:
-                r = await client.request(method, self.base_url + path, **kw)
-        except httpx.HTTPError as exc:
+                r = await client.request(lane, method, path, headers, content, timeout=timeout)
+        except http.HTTPError as exc:
             self.stats.observe(endpoint, time.perf_counter() - t0, type(exc).__name__)
             return None
         self.stats.observe(endpoint, time.perf_counter() - t0, r.status_code)
@@ -175,11 +190,8 @@ class Fleet:
     async def heartbeat_round(self, a: SimAgent) -> None:
         assert a.token is not None
         hb = self.cfg.heartbeat_seconds
-        req = wire.HeartbeatRequest(node_name=a.name, staged=list(a.staged.values()),
-                                    active=[a.active] if a.active else [], generation=a.generation,
-                                    wait_seconds=hb if a.generation is not None else 0.0)
-        r = await self.request(a, "heartbeat", "POST", "/v1/agents/heartbeat", a.token, req, timeout=hb + 60,
-                               gated=False)
+        r = await self.request(a, "heartbeat", "POST", "/v1/agents/heartbeat", a.token, a.heartbeat_body(hb),
+                               timeout=hb + 60, gated=False, watch=True)
         if r is None or r.status_code != 200:
             if r is not None and r.status_code in (429, 503):
                 await asyncio.sleep(retry_after(r, 2.0))

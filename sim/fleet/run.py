@@ -1,13 +1,21 @@
-"""Orchestration of one simulation: bundles, database, the controller process, the agents, the operator."""
+"""Orchestration of one simulation: bundles, database, the controller process, the agents, the operator.
+
+The agents run on uvloop when it is installed (it comes with ``uvicorn[standard]``), else on asyncio's loop;
+the result's ``simulator`` entry is the simulator's own CPU (``RUSAGE_SELF``: the controller is a child
+process) per request, so a run shows whether it measured the controller or itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
+import resource
 import secrets
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +51,46 @@ async def _wait(pred, limit: float, what: str, period: float = 0.5) -> None:  # 
         await asyncio.sleep(period)
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop if it is installed (a fraction of asyncio's CPU per socket event), else asyncio's (None)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+@contextlib.contextmanager
+def lean_gc() -> Iterator[None]:
+    """Less of the cyclic garbage collector while the agents run (restored after).
+
+    What exists before (modules: the CLI imports the controller's whole stack) lives until the end, so it is
+    frozen out of the full collections that would scan it again and again; and since every request allocates
+    a few short-lived containers, young collections come every 10,000 allocations instead of 700 (the older
+    generations' collections follow them). On a 1,000-node run the collector's CPU went from ~0.6 s to ~0.3 s
+    (of ~3.6 s for the whole simulator).
+    """
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(10_000, old[1], old[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tokens: dict[str, str],
                    db_url: str) -> dict[str, Any]:
     sc = cfg.scenario
     stats = Stats()
     t_start = time.monotonic()
+    cpu0 = _cpu_s()
     hard_deadline = t_start + cfg.duration_limit
     for v in (BASELINE, sc.candidate):
         await asyncio.to_thread(operator.push, ctl.url, tokens["operator"], bundles.files[v])
@@ -106,9 +149,17 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
         metrics_text = (await op_http.get(ctl.url + "/metrics", timeout=30)).text
         nodes = await api.request("GET", "/v1/nodes", retry=True)
     wall = time.monotonic() - t_start
+    cpu = _cpu_s() - cpu0
     stored = await asyncio.to_thread(stored_report_keys, db_url)
-    return summarise(cfg, fleet, stats, detail, rolled, back, metrics_text, nodes, stored, wall, phases,
-                     fleet.restart)
+    res = summarise(cfg, fleet, stats, detail, rolled, back, metrics_text, nodes, stored, wall, phases,
+                    fleet.restart)
+    n = sum(len(v) for v in stats.latency.values())
+    res["simulator"] = {"event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+                        "cpu_s": round(cpu, 2), "cpu_share": round(cpu / wall, 3) if wall else None,
+                        "requests": n, "cpu_ms_per_request": round(cpu / n * 1000, 3) if n else None,
+                        "connections_opened": fleet.http.opened if fleet.http else 0,
+                        "retried_after_close": fleet.http.retried if fleet.http else 0}
+    return res
 
 
 def run_fleet(cfg: FleetConfig) -> dict[str, Any]:
@@ -127,7 +178,8 @@ def run_fleet(cfg: FleetConfig) -> dict[str, Any]:
             raise SimError(f"controller not ready: {exc}") from None
         t_ctl = time.monotonic()
         try:
-            result = asyncio.run(simulate(cfg, ctl, bundles, tokens, url))
+            with lean_gc(), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+                result = runner.run(simulate(cfg, ctl, bundles, tokens, url))
         except SimError as exc:
             raise SimError(f"{exc}\ncontroller log tail:\n{ctl.log_tail()}") from None
         finally:

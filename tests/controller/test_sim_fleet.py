@@ -1,7 +1,9 @@
 """The fleet simulator end to end at small scale: a REAL ``kernelctl serve`` on a fresh PostgreSQL database,
 50 simulated agents speaking the real protocol. A clean candidate must be promoted with no report lost and no
 node stale; a candidate 10% slower must be rolled back everywhere and every canary must be back on the stable
-version within 5 s of the rollback decision (pushed through the watch).
+version within 5 s of the rollback decision (pushed through the watch). The agents' own HTTP client
+(sim/fleet/http.py: keep-alive per agent, idle connections dropped before the server drops them, one retry on a
+connection the server closed) is checked against a real uvicorn on loopback.
 """
 
 from __future__ import annotations
@@ -73,3 +75,72 @@ def test_latency_regression_rolls_back_every_stratum(bundle_cache: Path, tmp_pat
     assert res["checks"]["rolled_back_canaries_back_on_stable"]
     assert res["checks"]["no_node_stale_but_the_stopped"]
     assert res["passed"] and res["_rc"] == 0, res["checks"]
+
+
+def test_agent_http_client_keeps_alive_drops_idle_and_retries_a_closed_connection() -> None:
+    """sim.fleet.http against a real uvicorn (keep-alive 1 s) on loopback: a lane reuses its connection,
+    concurrent requests of one lane get their own, an idle connection is dropped before the server's keep-alive
+    timeout, a connection the server closed under a reused lane is retried once on a new one, a deadline is a
+    ReadTimeout, and Retry-After / bodies come through."""
+    import asyncio
+    import socket
+    import time
+
+    import uvicorn
+
+    from sim.fleet import http
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if scope["path"] == "/sleep":
+            await asyncio.sleep(2)
+        status = 503 if scope["path"] == "/busy" else 200
+        await send({"type": "http.response.start", "status": status, "headers": [(b"retry-after", b"3")]})
+        await send({"type": "http.response.body", "body": b"echo:" + body})
+
+    async def main() -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=1, http="h11"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        c = http.Client(url, idle_expiry=0.6)
+        for i in range(4):
+            r = await c.request("a", "POST", "/x", [(b"content-type", b"application/json")], b"%d" % i)
+            assert (r.status_code, r.content) == (200, b"echo:%d" % i)
+        assert c.opened == 1  # kept alive
+        busy = await c.request("a", "GET", "/busy", [])
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "3"
+        both = await asyncio.gather(c.request("a", "POST", "/x", [], b"p"), c.request("a", "POST", "/x", [], b"q"))
+        assert [r.content for r in both] == [b"echo:p", b"echo:q"] and c.opened == 2
+        await asyncio.sleep(1.3)  # past the client's 0.6 s and the server's 1 s: the client dropped them first
+        assert not c.idle and not c.connections
+        t0 = time.perf_counter()
+        with pytest.raises(http.ReadTimeout):
+            await c.request("b", "GET", "/sleep", [], timeout=0.3)
+        assert time.perf_counter() - t0 < 1.0
+        # the server closes every connection while the lane holds an idle one: retried once, on a new one
+        await c.request("c", "GET", "/x", [])
+        for proto in list(server.server_state.connections):
+            proto.transport.close()
+        opened = c.opened
+        r = await c.request("c", "GET", "/x", [])
+        assert r.status_code == 200 and c.opened == opened + 1 and c.retried == 1
+        await c.aclose()
+        server.should_exit = True
+        await serving
+        down = http.Client(url)
+        with pytest.raises(http.ConnectError):
+            await down.request("d", "GET", "/x", [])
+        await down.aclose()
+
+    asyncio.run(main())
