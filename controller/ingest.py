@@ -6,31 +6,38 @@ Idempotent by ``idempotency_key``: ``INSERT ... ON CONFLICT DO NOTHING RETURNING
 before (safe under concurrent replays on PostgreSQL), so a replayed or partially seen batch counts each
 report once. A report that breaks a hard gate sets ``rollout_strata.first_failure_at`` (when unset): the
 start of the time-to-rollback clock. A newly accepted ``ok`` report verifies the node's staged canary of
-that rollout (trial before serve: ``controller.assignments.mark_verified``). No per-report round trips: the
-batch costs a handful of statements. :func:`screen_reports` (called first, by the API) keeps only reports
-from current canaries of live rollouts.
+that rollout (trial before serve: ``controller.assignments.mark_verified``).
+
+No per-report round trips: one statement reads what the batch's rollouts are for this node (state, bundle,
+the node's stratum there, its assignment), one inserts the batch; ``mark_verified`` runs only while the
+node's canary is still unverified, the stable-bundle lookup only for a stable version other than the one the
+node's assignment names. :func:`ingest_batch` (the API's path) screens and stores with that one lookup;
+:func:`screen_reports` keeps only reports from current canaries of live rollouts, :func:`ingest_reports`
+stores a batch without screening.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+from pydantic_core import to_json
 from sqlalchemy import and_, select, update
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from controller.assignments import mark_verified
 from controller.compat import node_stratum
 from controller.db.models import Assignment, Bundle, Node, Report, Rollout, RolloutStratum
 from controller.errors import Invalid
 from controller.gates import OUTCOME_GATE, as_utc, effective_outcome, numerics_summary
-from controller.signals import report_signals
+from controller.signals import batch_signals
 from kernelctl import wire
 
 LIVE = ("progressing", "paused", "pending")
 CANARY_LIVE = ("progressing", "paused")  # a rollout (and stratum) with canaries that may report
+UNVERIFIED = ("staged", None)  # assignment phases mark_verified moves on
 
 
 COLUMNS = ("idempotency_key", "node_id", "rollout_id", "stratum", "bundle_id", "stable_bundle_id", "outcome",
@@ -44,11 +51,43 @@ PG_INSERT = (
     "ON CONFLICT (idempotency_key) DO NOTHING RETURNING idempotency_key"
 )
 
+BundleKey = tuple[str, str, str]  # name, version, digest
+STABLE = aliased(Bundle, name="stable_bundle")  # built once: an alias costs more to build than the query
 
-def _json_default(v: object) -> str:
-    if isinstance(v, dt.datetime):
-        return v.isoformat()
-    raise TypeError(f"cannot encode {type(v).__name__}")
+
+class RolloutFacts(NamedTuple):
+    """One rollout of a batch as this node's reports see it (read in one statement)."""
+
+    state: str
+    bundle_id: int
+    bundle: BundleKey
+    stratum_state: str | None  # the node's stratum in the rollout; None: the stratum is not part of it
+    canary: bool  # the node's assignment of this rollout desires the rollout's bundle
+    phase: str | None  # that assignment's trial-before-serve phase
+    assigned: bool  # the node has an assignment of this rollout
+    stable: tuple[int, BundleKey] | None  # that assignment's stable bundle
+
+
+def rollout_facts(session: Session, node: Node, rids: Sequence[int]) -> dict[int, RolloutFacts]:
+    """What ``node`` is in each of the rollouts ``rids`` (absent: the rollout does not exist)."""
+    out: dict[int, RolloutFacts] = {}
+    for (rid, state, bid, name, version, digest, st, aid, desired, phase,
+         sid, sname, sversion, sdigest) in session.execute(
+        select(Rollout.id, Rollout.state, Bundle.id, Bundle.name, Bundle.version, Bundle.digest, RolloutStratum.state,
+               Assignment.id, Assignment.desired_bundle_id, Assignment.phase,
+               STABLE.id, STABLE.name, STABLE.version, STABLE.digest)
+        .join(Bundle, Bundle.id == Rollout.bundle_id)
+        .outerjoin(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id,
+                                        RolloutStratum.stratum == node_stratum(node)))
+        .outerjoin(Assignment, and_(Assignment.rollout_id == Rollout.id, Assignment.node_id == node.id))
+        .outerjoin(STABLE, STABLE.id == Assignment.stable_bundle_id)
+        .where(Rollout.id.in_(sorted(set(rids))))
+    ):
+        out[rid] = RolloutFacts(
+            state=state, bundle_id=bid, bundle=(name, version, digest), stratum_state=st,
+            canary=aid is not None and desired == bid, phase=phase, assigned=aid is not None,
+            stable=(sid, (sname, sversion, sdigest)) if sid is not None else None)
+    return out
 
 
 def _insert_new(session: Session, rows: list[dict[str, Any]]) -> set[str]:
@@ -57,9 +96,9 @@ def _insert_new(session: Session, rows: list[dict[str, Any]]) -> set[str]:
         return set()
     if session.get_bind().dialect.name == "postgresql":
         # the whole batch as one JSON document: one parameter, one statement, no per-row SQL or escaping
-        doc = json.dumps(rows, default=_json_default, separators=(",", ":"))
-        result = session.connection().exec_driver_sql(PG_INSERT, {"rows": doc})
-        return {k for (k,) in result}
+        # (pydantic's encoder: the wire's strings are valid Unicode, pydantic refuses a lone surrogate)
+        result = session.connection().exec_driver_sql(PG_INSERT, {"rows": to_json(rows).decode()})
+        return set(result.scalars().all())
     stmt = sqlite.insert(Report).on_conflict_do_nothing(index_elements=["idempotency_key"]).returning(
         Report.idempotency_key)
     return set(session.execute(stmt, rows).scalars().all())
@@ -76,30 +115,40 @@ def screen_reports(session: Session, node: Node, batch: wire.ReportBatch
     with ``reason`` one of :data:`REFUSAL_REASONS` (a bounded metric label). Reports naming a rollout that
     does not exist pass through: :func:`ingest_reports` refuses the batch for them (422).
     """
-    rids = sorted({r.rollout_id for r in batch.reports})
-    states = dict(session.execute(select(Rollout.id, Rollout.state).where(Rollout.id.in_(rids))).all())
-    stratum = node_stratum(node)
-    canary_of = set(session.scalars(
-        select(Assignment.rollout_id)
-        .join(Rollout, Rollout.id == Assignment.rollout_id)
-        .join(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id, RolloutStratum.stratum == stratum))
-        .where(Assignment.node_id == node.id, Assignment.rollout_id.in_(rids),
-               Assignment.desired_bundle_id == Rollout.bundle_id, RolloutStratum.state.in_(CANARY_LIVE))))
+    return _screen(node, batch.reports, rollout_facts(session, node, [r.rollout_id for r in batch.reports]))
+
+
+def _screen(node: Node, reports: Sequence[wire.TrialReport], facts: dict[int, RolloutFacts]
+            ) -> tuple[list[wire.TrialReport], dict[str, tuple[str, str]]]:
     keep: list[wire.TrialReport] = []
     refused: dict[str, tuple[str, str]] = {}
-    for r in batch.reports:
-        state = states.get(r.rollout_id)
-        if state is None:
+    for r in reports:
+        f = facts.get(r.rollout_id)
+        if f is None:
             keep.append(r)
-        elif state not in CANARY_LIVE:
-            refused[r.idempotency_key] = ("rollout_not_live", f"rollout {r.rollout_id} is {state}: reports count "
+        elif f.state not in CANARY_LIVE:
+            refused[r.idempotency_key] = ("rollout_not_live", f"rollout {r.rollout_id} is {f.state}: reports count "
                                           "only while it is progressing or paused")
-        elif r.rollout_id not in canary_of:
+        elif not (f.canary and f.stratum_state in CANARY_LIVE):
             refused[r.idempotency_key] = ("not_canary", f"node {node.name} is not a current canary of rollout "
                                           f"{r.rollout_id}")
         else:
             keep.append(r)
     return keep, refused
+
+
+def ingest_batch(session: Session, node: Node, batch: wire.ReportBatch, now: dt.datetime
+                 ) -> tuple[int, int, dict[str, tuple[str, str]]]:
+    """:func:`screen_reports` then :func:`ingest_reports` of what it keeps, on one read of the rollouts;
+    returns (accepted, duplicates, refused). Nothing is stored when every report is refused."""
+    if batch.node_name != node.name:
+        raise Invalid(f"batch is for node {batch.node_name} but was sent by node {node.name}")
+    facts = rollout_facts(session, node, [r.rollout_id for r in batch.reports])
+    keep, refused = _screen(node, batch.reports, facts)
+    if not keep:
+        return 0, 0, refused
+    accepted, duplicates = _store(session, node, keep, facts, now)
+    return accepted, duplicates, refused
 
 
 def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: dt.datetime) -> tuple[int, int]:
@@ -110,69 +159,76 @@ def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: d
     """
     if batch.node_name != node.name:
         raise Invalid(f"batch is for node {batch.node_name} but was sent by node {node.name}")
-    stratum = node_stratum(node)
-    rids = sorted({r.rollout_id for r in batch.reports})
-    rollouts: dict[int, tuple[int, str, str, str]] = {}
-    strata: dict[tuple[int, str], str] = {}
-    for rid, bid, name, version, digest, st in session.execute(
-        select(Rollout.id, Bundle.id, Bundle.name, Bundle.version, Bundle.digest, RolloutStratum.state)
-        .join(Bundle, Bundle.id == Rollout.bundle_id)
-        .outerjoin(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id, RolloutStratum.stratum == stratum))
-        .where(Rollout.id.in_(rids))
-    ):
-        rollouts[rid] = (bid, name, version, digest)
-        if st is not None:
-            strata[(rid, stratum)] = st
-    stable_refs = {(r.stable.name, r.stable.version, r.stable.digest) for r in batch.reports if r.stable}
-    stable_ids: dict[tuple[str, str, str], int] = {}
-    if stable_refs:
+    facts = rollout_facts(session, node, [r.rollout_id for r in batch.reports])
+    return _store(session, node, batch.reports, facts, now)
+
+
+def _stable_ids(session: Session, reports: Sequence[wire.TrialReport], facts: dict[int, RolloutFacts]
+                ) -> dict[BundleKey, int]:
+    """Bundle ids of the reports' stable versions: the node's assignments name them; a lookup for others."""
+    known = {key: bid for f in facts.values() if f.stable is not None for bid, key in [f.stable]}
+    refs = {(r.stable.name, r.stable.version, r.stable.digest) for r in reports if r.stable} - known.keys()
+    if refs:
         for bid, name, version, digest in session.execute(
             select(Bundle.id, Bundle.name, Bundle.version, Bundle.digest)
-            .where(Bundle.digest.in_([d for _, _, d in stable_refs]))):
-            stable_ids[(name, version, digest)] = bid
-    rows: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    failing: dict[int, str] = {}
-    for i, r in enumerate(batch.reports):
+            .where(Bundle.digest.in_(sorted({d for _, _, d in refs})))):
+            known[(name, version, digest)] = bid
+    return known
+
+
+def _store(session: Session, node: Node, reports: Sequence[wire.TrialReport], facts: dict[int, RolloutFacts],
+           now: dt.datetime) -> tuple[int, int]:
+    stratum = node_stratum(node)
+    for i, r in enumerate(reports):  # every report is checked before anything is stored
         where = f"report {i} ({r.idempotency_key})"
-        if r.rollout_id not in rollouts:
+        f = facts.get(r.rollout_id)
+        if f is None:
             raise Invalid(f"{where}: rollout {r.rollout_id} does not exist")
-        bid, name, version, digest = rollouts[r.rollout_id]
-        if (r.candidate.name, r.candidate.version, r.candidate.digest) != (name, version, digest):
+        if (r.candidate.name, r.candidate.version, r.candidate.digest) != f.bundle:
+            name, version, digest = f.bundle
             raise Invalid(f"{where}: candidate {r.candidate.name}@{r.candidate.version} is not the bundle of "
                           f"rollout {r.rollout_id} ({name}@{version}, digest {digest[:12]}…)")
-        if (r.rollout_id, stratum) not in strata:
+        if f.stratum_state is None:
             raise Invalid(f"{where}: node {node.name} (stratum {stratum}) is not part of rollout {r.rollout_id}")
         if r.stratum != stratum:
             raise Invalid(f"{where}: stratum {r.stratum} does not match node {node.name}'s stratum {stratum}")
-        if r.idempotency_key in seen:
-            continue
-        seen.add(r.idempotency_key)
-        outcome = effective_outcome(r)
-        if outcome in OUTCOME_GATE and strata[(r.rollout_id, stratum)] in LIVE:
-            failing[r.rollout_id] = stratum
-        signals = report_signals(r) if outcome == "ok" else None
+    stable_ids = _stable_ids(session, reports, facts)
+    unique: list[wire.TrialReport] = []
+    seen: set[str] = set()
+    for r in reports:
+        if r.idempotency_key not in seen:
+            seen.add(r.idempotency_key)
+            unique.append(r)
+    outcomes = [effective_outcome(r) for r in unique]
+    signals = iter(batch_signals([r for r, o in zip(unique, outcomes, strict=True) if o == "ok"]))
+    rows: list[dict[str, Any]] = []
+    failing = False
+    for r, outcome in zip(unique, outcomes, strict=True):
+        f = facts[r.rollout_id]
+        if outcome in OUTCOME_GATE and f.stratum_state in LIVE:
+            failing = True
+        sig = next(signals) if outcome == "ok" else None
         e2e = None
         if r.e2e_stable_s is not None and r.e2e_candidate_s is not None:
             e2e = {"stable_s": r.e2e_stable_s, "candidate_s": r.e2e_candidate_s}
         rows.append({
             "idempotency_key": r.idempotency_key, "node_id": node.id, "rollout_id": r.rollout_id,
-            "stratum": stratum, "bundle_id": bid,
+            "stratum": stratum, "bundle_id": f.bundle_id,
             "stable_bundle_id": stable_ids.get((r.stable.name, r.stable.version, r.stable.digest)) if r.stable else None,
-            "outcome": outcome, "latency_log_ratio": signals.get("aggregate") if signals else None,
+            "outcome": outcome, "latency_log_ratio": sig.get("aggregate") if sig else None,
             "n_pairs": len(r.latency), "peak_memory_bytes": r.peak_memory_bytes,
             "measured_at": as_utc(r.measured_at), "received_at": now,
             "detail": {
                 "reported_outcome": r.outcome, "numerics": numerics_summary(r), "e2e": e2e,
                 "launches_per_call": r.launches_per_call, "duration_s": r.duration_s, "text": r.detail,
             },
-            "signals": signals,
+            "signals": sig,
         })
     inserted = _insert_new(session, rows)
     accepted = len(inserted)
+    new = [row for row in rows if row["idempotency_key"] in inserted]
     if failing and inserted:
-        new_fail = {(row["rollout_id"], row["stratum"]) for row in rows
-                    if row["idempotency_key"] in inserted and row["outcome"] in OUTCOME_GATE}
+        new_fail = {(row["rollout_id"], row["stratum"]) for row in new if row["outcome"] in OUTCOME_GATE}
         for rid, s in sorted(new_fail):
             session.execute(
                 update(RolloutStratum)
@@ -180,13 +236,14 @@ def ingest_reports(session: Session, node: Node, batch: wire.ReportBatch, now: d
                        RolloutStratum.first_failure_at.is_(None), RolloutStratum.state.in_(LIVE))
                 .values(first_failure_at=now),
                 execution_options={"synchronize_session": False})
-    _verify_canaries(session, node, rows, inserted, now)
-    return accepted, len(batch.reports) - accepted
+    _verify_canaries(session, node, new, facts, now)
+    return accepted, len(reports) - accepted
 
 
-def _verify_canaries(session: Session, node: Node, rows: list[dict[str, Any]], inserted: set[str],
+def _verify_canaries(session: Session, node: Node, new: list[dict[str, Any]], facts: dict[int, RolloutFacts],
                      now: dt.datetime) -> None:
-    """Trial before serve: a newly accepted hard-gates-passed report lets this node serve the candidate."""
-    new = [row for row in rows if row["idempotency_key"] in inserted]
+    """Trial before serve: a newly accepted hard-gates-passed report lets this node serve the candidate.
+    Skipped for rollouts where the node's assignment (as read with the batch) is already past ``staged``."""
     bad = {row["rollout_id"] for row in new if row["outcome"] != "ok"}
-    mark_verified(session, node, {row["rollout_id"] for row in new if row["outcome"] == "ok"} - bad, now)
+    ok = {row["rollout_id"] for row in new if row["outcome"] == "ok"} - bad
+    mark_verified(session, node, {rid for rid in ok if facts[rid].assigned and facts[rid].phase in UNVERIFIED}, now)

@@ -14,14 +14,21 @@ One report contributes, per metric name (the names the explain view shows):
 
 A signal the report does not carry is absent (never a default value): the judge holds for a metric with too
 few samples, it does not count a missing one as a pass.
+
+:func:`batch_signals` computes the signals of a whole batch with the cell statistics of all its reports
+vectorised (:func:`controller.judge.statistic.cell_log_ratios` once per pair count, the same numbers as one
+:func:`~controller.judge.statistic.cell_log_ratio` per cell): ingestion's per-report cost.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
-from controller.judge.statistic import cell_log_ratio
+import numpy as np
+
+from controller.judge.statistic import cell_log_ratios
 from kernelctl import wire
 
 AGGREGATE = "latency:aggregate"
@@ -34,12 +41,59 @@ def cell_name(op: str, tokens: int) -> str:
 
 def report_signals(report: wire.TrialReport) -> dict[str, Any]:
     """The JSON-safe signals of one report (see the module docstring)."""
+    return batch_signals([report])[0]
+
+
+def _cells(report: wire.TrialReport) -> dict[str, tuple[list[float], list[float]]]:
+    """The report's latency pairs per cell, cells in (op, tokens) order, pairs in measurement order."""
     groups: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
     for p in report.latency:
         st, ca = groups.setdefault((p.op, p.tokens), ([], []))
         st.append(p.stable_s)
         ca.append(p.candidate_s)
-    cells = {cell_name(op, t): cell_log_ratio(st, ca) for (op, t), (st, ca) in sorted(groups.items())}
+    return {cell_name(op, t): pairs for (op, t), pairs in sorted(groups.items())}
+
+
+def _log_ratios(cells: list[tuple[list[float], list[float]]]) -> list[float]:
+    """``cell_log_ratio`` of every (stable, candidate) cell: one vectorised pass per pair count."""
+    out = [0.0] * len(cells)
+    by_n: dict[int, list[int]] = {}
+    for i, (st, ca) in enumerate(cells):
+        if len(st) != len(ca) or not st:
+            raise ValueError(f"cell needs equal, non-empty pair lists (got {len(st)} and {len(ca)})")
+        by_n.setdefault(len(st), []).append(i)
+    for idx in by_n.values():
+        s = np.array([cells[i][0] for i in idx], dtype=np.float64)
+        c = np.array([cells[i][1] for i in idx], dtype=np.float64)
+        bad = ~(np.isfinite(s) & np.isfinite(c) & (s > 0) & (c > 0))
+        if bad.any():  # the wire refuses these already: a guard for reports built in-process
+            row, col = (int(x[0]) for x in np.nonzero(bad))
+            raise ValueError(f"cell pair {col} has a non-positive or non-finite timing ({s[row, col]!r}, "
+                             f"{c[row, col]!r})")
+        for i, v in zip(idx, cell_log_ratios(s, c).tolist(), strict=True):
+            out[i] = v
+    return out
+
+
+def batch_signals(reports: Sequence[wire.TrialReport]) -> list[dict[str, Any]]:
+    """:func:`report_signals` of every report, the cell statistics of the whole batch computed together."""
+    cells = [_cells(r) for r in reports]
+    flat: list[tuple[list[float], list[float]]] = []
+    for r, cs in zip(reports, cells, strict=True):
+        flat.extend(cs.values())
+        if r.e2e_pairs:
+            flat.append(([p.stable_s for p in r.e2e_pairs], [p.candidate_s for p in r.e2e_pairs]))
+    ratios = iter(_log_ratios(flat))
+    out = []
+    for r, cs in zip(reports, cells, strict=True):
+        sig = _signals(r, {name: next(ratios) for name in cs})
+        if r.e2e_pairs:
+            sig["e2e"] = next(ratios)
+        out.append(sig)
+    return out
+
+
+def _signals(report: wire.TrialReport, cells: dict[str, float]) -> dict[str, Any]:
     weights = {cell_name(w.op, w.tokens): w.weight for w in report.weights}
     out: dict[str, Any] = {"cells": cells}
     if cells:
@@ -49,7 +103,7 @@ def report_signals(report: wire.TrialReport) -> dict[str, Any]:
             ws, total = [1.0] * len(cells), float(len(cells))
         out["aggregate"] = sum(w * v for w, v in zip(ws, cells.values(), strict=True)) / total
     if report.e2e_pairs:
-        out["e2e"] = cell_log_ratio([p.stable_s for p in report.e2e_pairs], [p.candidate_s for p in report.e2e_pairs])
+        out["e2e"] = None  # the cell statistic of the rounds: filled in by batch_signals
     elif report.e2e_stable_s is not None and report.e2e_candidate_s is not None:
         out["e2e"] = math.log(report.e2e_candidate_s / report.e2e_stable_s)
     mem = {cell_name(r.op, r.tokens): [r.stable_peak_bytes, r.candidate_peak_bytes] for r in report.resources
