@@ -95,6 +95,8 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     sock = bind_socket(settings.listen_host, settings.listen_port)
     host, port = sock.getsockname()[:2]
     app = create_app(settings, state=state)
+    protocol = protocol_class(settings.header_timeout_seconds, impl=settings.http_impl,  # type: ignore[arg-type]
+                              max_header_bytes=settings.max_header_bytes)
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -105,14 +107,14 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
         server_header=False,
         # bounded work per connection (docs/deploy.md "Request limits"): header deadline, header size,
         # idle keep-alive, concurrency; body deadline and sizes are enforced in the app
-        http=protocol_class(settings.header_timeout_seconds),
+        http=protocol,
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
         limit_concurrency=settings.max_connections,
     )
     server = uvicorn.Server(config)
-    log.info("kernelctl controller listening on http://%s:%d (database %s)", host, port,
-             state.engine.url.render_as_string(hide_password=True))
+    log.info("kernelctl controller listening on http://%s:%d (database %s, http %s)", host, port,
+             state.engine.url.render_as_string(hide_password=True), protocol.http_impl)
     if port_file is not None:
         tmp = port_file.with_suffix(port_file.suffix + ".tmp")
         tmp.write_text(f"{port}\n")
