@@ -40,6 +40,7 @@ class Registered:
     node_id: int
     token: str  # plaintext, returned once
     new: bool
+    token_id: int | None = None  # the new token's id when known (the API caches its principal at once)
 
 
 def _already(name: str) -> Conflict:
@@ -121,5 +122,5 @@ def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], i
         if revoked.get(node):
             events.append(_event(now, actor, "token.node_reissued", f"token:{tid}", node,
                                  {"revoked": sorted(revoked[node])}))
-        out[created[node]] = Registered(ids[node], plain[node], new=True)
+        out[created[node]] = Registered(ids[node], plain[node], new=True, token_id=tid)
     conn.execute(insert(Event), events)

@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, require_role
 from controller.db.engine import session_scope
@@ -34,6 +35,7 @@ class AppState:
     elector: LeaderElector
     trusted_keys: dict | None = None
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
+    _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes
     _auth_lock: threading.Lock = field(default_factory=threading.Lock)
     _rollbacks: Counter[int] = field(default_factory=Counter)  # rollout id -> rollbacks in flight here
 
@@ -60,33 +62,45 @@ class AppState:
         with session_scope(self.factory) as session:
             yield session
 
-    def authenticate(self, token: str | None) -> Principal:
-        """Authenticate a bearer token (cached ``auth_cache_seconds``: a revocation or expiry made elsewhere
-        takes effect within that time; one made through this replica at once)."""
+    def cached_principal(self, token: str | None) -> Principal | None:
+        """The cached principal of a bearer token, without touching the database (None: not cached or
+        expired). Malformed or missing tokens raise AuthError."""
         if not token:
             raise AuthError("missing bearer token (send `Authorization: Bearer <token>`)")
         if len(token) > 512:
             raise AuthError("malformed bearer token (over 512 characters)")
-        key = hash_token(token)
-        now = time.monotonic()
         ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
         with self._auth_lock:
-            hit = self._auth_cache.get(key)
-            if hit is not None and now - hit[0] < ttl:
-                return hit[1]
+            hit = self._auth_cache.get(hash_token(token))
+        return hit[1] if hit is not None and time.monotonic() - hit[0] < ttl else None
+
+    def authenticate(self, token: str | None) -> Principal:
+        """Authenticate a bearer token (cached ``auth_cache_seconds``: a revocation or expiry made elsewhere
+        takes effect within that time; one made through this replica at once)."""
+        hit = self.cached_principal(token)
+        if hit is not None:
+            return hit
         with self.factory() as session:
             principal = authenticate(session, token)
+        self.remember(token, principal)  # type: ignore[arg-type]
+        return principal
+
+    def remember(self, token: str, principal: Principal) -> None:
+        """Cache ``principal`` for ``token`` (also a token this replica just issued: no lookup on first use)."""
+        key = hash_token(token)
         with self._auth_lock:
             if len(self._auth_cache) > 50_000:
                 self._auth_cache.clear()
-            self._auth_cache[key] = (now, principal)
-        return principal
+                self._auth_by_node.clear()
+            self._auth_cache[key] = (time.monotonic(), principal)
+            if principal.node is not None:
+                self._auth_by_node.setdefault(principal.node, set()).add(key)
 
     def forget_node(self, node: str) -> None:
         """Drop the cached principals of ``node`` (its tokens were just revoked or replaced)."""
         with self._auth_lock:
-            for key in [k for k, (_t, p) in self._auth_cache.items() if p.node == node]:
-                del self._auth_cache[key]
+            for key in self._auth_by_node.pop(node, ()):
+                self._auth_cache.pop(key, None)
 
     def forget_token(self, token_id: int) -> None:
         with self._auth_lock:
@@ -111,19 +125,24 @@ def bearer_token(request: Request) -> str | None:
     return value.strip()
 
 
-def get_principal(request: Request, state: State) -> Principal:
-    return state.authenticate(bearer_token(request))
+async def get_principal(request: Request, state: State) -> Principal:
+    """The caller: from the cache in the event loop (every heartbeat of a fleet), else looked up in a thread."""
+    token = bearer_token(request)
+    hit = state.cached_principal(token)
+    if hit is not None:
+        return hit
+    return await run_in_threadpool(state.authenticate, token)
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 
 
-def viewer(principal: CurrentPrincipal) -> Principal:
+async def viewer(principal: CurrentPrincipal) -> Principal:
     require_role(principal, "viewer")
     return principal
 
 
-def operator(principal: CurrentPrincipal) -> Principal:
+async def operator(principal: CurrentPrincipal) -> Principal:
     require_role(principal, "operator")
     return principal
 
