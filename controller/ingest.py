@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pydantic_core import to_json
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, bindparam, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -68,21 +68,27 @@ class RolloutFacts(NamedTuple):
     stable: tuple[int, BundleKey] | None  # that assignment's stable bundle
 
 
+# built once (building a select costs more than running it): the batch's rollouts as one node sees them
+FACTS = (
+    select(Rollout.id, Rollout.state, Bundle.id, Bundle.name, Bundle.version, Bundle.digest, RolloutStratum.state,
+           Assignment.id, Assignment.desired_bundle_id, Assignment.phase,
+           STABLE.id, STABLE.name, STABLE.version, STABLE.digest)
+    .join(Bundle, Bundle.id == Rollout.bundle_id)
+    .outerjoin(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id,
+                                    RolloutStratum.stratum == bindparam("stratum")))
+    .outerjoin(Assignment, and_(Assignment.rollout_id == Rollout.id, Assignment.node_id == bindparam("node_id")))
+    .outerjoin(STABLE, STABLE.id == Assignment.stable_bundle_id)
+    .where(Rollout.id.in_(bindparam("rids", expanding=True)))
+)
+
+
 def rollout_facts(session: Session, node: Node, rids: Sequence[int]) -> dict[int, RolloutFacts]:
     """What ``node`` is in each of the rollouts ``rids`` (absent: the rollout does not exist)."""
     out: dict[int, RolloutFacts] = {}
-    for (rid, state, bid, name, version, digest, st, aid, desired, phase,
-         sid, sname, sversion, sdigest) in session.execute(
-        select(Rollout.id, Rollout.state, Bundle.id, Bundle.name, Bundle.version, Bundle.digest, RolloutStratum.state,
-               Assignment.id, Assignment.desired_bundle_id, Assignment.phase,
-               STABLE.id, STABLE.name, STABLE.version, STABLE.digest)
-        .join(Bundle, Bundle.id == Rollout.bundle_id)
-        .outerjoin(RolloutStratum, and_(RolloutStratum.rollout_id == Rollout.id,
-                                        RolloutStratum.stratum == node_stratum(node)))
-        .outerjoin(Assignment, and_(Assignment.rollout_id == Rollout.id, Assignment.node_id == node.id))
-        .outerjoin(STABLE, STABLE.id == Assignment.stable_bundle_id)
-        .where(Rollout.id.in_(sorted(set(rids))))
-    ):
+    session.flush()  # (a Core execution does not autoflush)
+    rows = session.connection().execute(FACTS, {"stratum": node_stratum(node), "node_id": node.id,
+                                                "rids": sorted(set(rids))})
+    for rid, state, bid, name, version, digest, st, aid, desired, phase, sid, sname, sversion, sdigest in rows:
         out[rid] = RolloutFacts(
             state=state, bundle_id=bid, bundle=(name, version, digest), stratum_state=st,
             canary=aid is not None and desired == bid, phase=phase, assigned=aid is not None,
