@@ -273,7 +273,14 @@ class DesiredHub:
 
     def verified(self, node_name: str, rollout_ids: list[int], generation: int | None) -> None:
         """Report ingestion verified the node's canary of these rollouts (trial before serve): its desired
-        state now serves the candidate. Patched here at once (the node's watch answers without a reload)."""
+        state now serves the candidate. Patched into the snapshot at once (the node's watch answers without
+        a reload); thread-safe."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._verified, node_name, rollout_ids, generation)
+
+    def _verified(self, node_name: str, rollout_ids: list[int], generation: int | None) -> None:
         node = self.snapshot.nodes.get(node_name)
         if node is None or not rollout_ids or generation is None:
             return

@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024, description="Largest request line plus "
                                   "headers; larger is refused with 431 (or 400 from h11 while still arriving).")
     max_connections: int = Field(16384, gt=0, description="Most concurrent connections and requests (503 over).")
+    http_impl: str = Field("auto", pattern="^(auto|httptools|h11)$", description="HTTP/1.1 parser of `kernelctl "
+                           "serve`: httptools (C, the default when installed) or h11 (pure Python); auto picks "
+                           "httptools when it is installed. Both enforce the header deadline and size limit.")
     auth_cache_seconds: float = Field(
         60.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
         "another replica (or with `kernelctl token revoke`) takes effect within this time.")

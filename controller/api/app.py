@@ -27,6 +27,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
 from controller.api.deps import AppState
+from controller.api.heartbeat_lane import HeartbeatLane
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, make_engine, session_factory
@@ -93,7 +94,8 @@ class BodyLimitMiddleware:
             if deadline == float("inf"):
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):  # no task per receive (wait_for makes one)
+                    message = await receive()
             except TimeoutError:
                 raise HTTPException(408, f"{what} not received within {timeout:g} seconds",
                                     headers={"Connection": "close"}) from None
@@ -317,6 +319,7 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
     app.include_router(ui_router)
     _install_error_handlers(app)
 
+    app.add_middleware(HeartbeatLane, get_state=lambda: getattr(app.state, "kctl", None))
     app.add_middleware(BodyLimitMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(getattr(app.state, "kctl", None), "metrics", None))
     return app

@@ -16,21 +16,24 @@ change something, report batches) wait at most ``max_pending_writes`` at once pe
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 from controller import ingest, registry
+from controller.api import heartbeat_lane
+from controller.api.body import json_body, openapi_body
 from controller.api.deps import AppState, CurrentPrincipal, State
-from controller.auth import Forbidden, Principal, issue_node_token, require_node, require_role
+from controller.auth import Forbidden, Principal, require_node, require_role
 from controller.db.models import utcnow
+from controller.desired_cache import LAST_GENERATION
+from controller.enrollment import Registered, Registration, register_many
 from controller.errors import Invalid
-from controller.watch import Overloaded, slow_heartbeat
+from controller.watch import Overloaded
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX + "/agents", tags=["agents"])
@@ -46,29 +49,36 @@ async def _write(state: AppState, fn: Any, *args: Any) -> Any:
 
 @router.post("/register", response_model=wire.RegisterResponse)
 async def register(req: wire.RegisterRequest, principal: CurrentPrincipal, state: State) -> Any:
-    """Register (or re-register) a node; returns a node-bound token the agent uses from then on."""
+    """Register (or re-register) a node; returns a node-bound token the agent uses from then on.
+
+    Registrations arriving together are committed together (``controller.enrollment``, group commit)."""
     require_role(principal, "agent")
-    try:
-        return await _write(state, _register, req, principal, state)
-    except Overloaded as exc:
-        return _overloaded(exc)
-
-
-def _register(req: wire.RegisterRequest, principal: Principal, state: AppState) -> wire.RegisterResponse:
     if principal.node is not None and principal.node != req.node_name:
         raise Forbidden(f"this token belongs to node {principal.node!r}, not {req.node_name!r}")
-    with state.tx() as session:
-        node = registry.register_node(session, req.node_name, req.inventory, actor=principal.actor,
-                                      new_only=principal.is_enrollment)
-        token = issue_node_token(session, req.node_name, actor=principal.actor)
-        node_id = node.id
-    state.forget_node(req.node_name)  # the node's earlier tokens are revoked: no cached principal outlives them
     hub = getattr(state, "hub", None)
-    if hub is not None and principal.is_enrollment:  # a new node: this replica knows it before its next reload
-        hub.registered(node_id, req.node_name, req.inventory)
+    try:
+        if hub is None:  # an app built without its lifespan: one registration, one transaction
+            done = await run_in_threadpool(_register_one, state, Registration(req, principal))
+        else:
+            done = await hub.registrations.submit(Registration(req, principal))
+    except Overloaded as exc:
+        return _overloaded(exc)
+    state.forget_node(req.node_name)  # the node's earlier tokens are revoked: no cached principal outlives them
+    if done.token_id is not None:  # its first heartbeat needs no token lookup
+        state.remember(done.token, Principal(done.token_id, f"node:{req.node_name}"[:128], "agent", req.node_name))
+    if hub is not None and done.new:  # a new node: this replica knows it before its next reload
+        hub.registered(done.node_id, req.node_name, req.inventory)
     return wire.RegisterResponse(
-        node_name=req.node_name, node_token=token, heartbeat_seconds=state.settings.heartbeat_seconds
+        node_name=req.node_name, node_token=done.token, heartbeat_seconds=state.settings.heartbeat_seconds
     )
+
+
+def _register_one(state: AppState, item: Registration) -> Registered:
+    with state.tx() as session:
+        (done,) = register_many(session, [item])
+    if isinstance(done, Exception):
+        raise done
+    return done
 
 
 def _overloaded(exc: Overloaded) -> JSONResponse:
@@ -84,30 +94,25 @@ async def heartbeat(req: wire.HeartbeatRequest, principal: CurrentPrincipal, sta
     ``generation`` (or the wait ends): the watch through which a rollback reaches the node at once.
     """
     require_node(principal, req.node_name)
-    hb = state.settings.heartbeat_seconds
-    hub = getattr(state, "hub", None)
-    started = time.perf_counter()
-    try:
-        if hub is None:  # no hub (an app built without its lifespan): one transaction per heartbeat
-            reply, _gen = await run_in_threadpool(slow_heartbeat, state.factory, req, hb)
-            held, path = 0.0, "slow"
-        else:
-            reply, held, path = await hub.heartbeat(req, heartbeat_seconds=hb,
-                                                    slow_path=lambda r: slow_heartbeat(state.factory, r, hb))
-    except Overloaded as exc:
-        return _overloaded(exc)
-    state.metrics.heartbeat_service.labels(path).observe(max(0.0, time.perf_counter() - started - held))
-    return Response(reply.model_dump_json(), media_type="application/json")
+    status, body, headers = await heartbeat_lane.answer(state, req)
+    return Response(body, status_code=status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in headers})
 
 
-@router.post("/reports", response_model=wire.ReportBatchResponse, response_model_exclude_unset=True)
-async def reports(batch: wire.ReportBatch, principal: CurrentPrincipal, state: State) -> Any:
-    """Ingest a batch of trial reports; replayed idempotency keys count once."""
+@router.post("/reports", response_model=wire.ReportBatchResponse, response_model_exclude_unset=True,
+             openapi_extra=openapi_body(wire.ReportBatch))
+async def reports(request: Request, principal: CurrentPrincipal, state: State) -> Response:
+    """Ingest a batch of trial reports; replayed idempotency keys count once.
+
+    The body (``wire.ReportBatch``) is validated in one pass from its bytes, with FastAPI's 422 answers
+    (``controller.api.body``)."""
+    batch = await json_body(request, wire.ReportBatch)
     require_node(principal, batch.node_name)
     try:
-        return await _write(state, _reports, batch, state)
+        reply = await _write(state, _reports, batch, state)
     except Overloaded as exc:
         return _overloaded(exc)
+    return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
 def _reports(batch: wire.ReportBatch, state: AppState) -> wire.ReportBatchResponse:
@@ -139,10 +144,9 @@ def _ingest(state, batch: wire.ReportBatch):  # type: ignore[no-untyped-def]
     # A concurrent replay of the same batch loses the unique-key race: retrying sees the keys as duplicates.
     with state.tx() as session:
         node = registry.get_node(session, batch.node_name)
-        keep, refused = ingest.screen_reports(session, node, batch)
-        if not keep:
-            return 0, 0, refused
-        if len(keep) < len(batch.reports):
-            batch = wire.ReportBatch.model_construct(node_name=batch.node_name, reports=keep)
-        accepted, duplicates = ingest.ingest_reports(session, node, batch, utcnow())
-        return accepted, duplicates, refused
+        out = ingest.ingest_batch(session, node, batch, utcnow())
+    verified = session.info.pop(ingest.VERIFIED, None)
+    hub = getattr(state, "hub", None)
+    if verified and hub is not None:  # trial before serve: the node's watch answers without a reload
+        hub.verified(batch.node_name, verified, session.info.get(LAST_GENERATION))
+    return out

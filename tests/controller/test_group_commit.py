@@ -188,8 +188,33 @@ def test_hub_batches_concurrent_switches_and_registrations_in_few_transactions(k
     with kit.tx() as s:
         assert s.scalar(select(Node).where(Node.name == "late-19")) is not None
         assert len(list(s.scalars(select(Event).where(Event.action == "assignment.activated")))) >= 30
-    with pytest.raises(Conflict):
-        with kit.tx() as s:
-            (again,) = register_many(s, [Registration(wire.RegisterRequest(node_name="late-0",
-                                                                           inventory=inventory()), ENROLL)])
-            raise again
+    with pytest.raises(Conflict), kit.tx() as s:
+        (again,) = register_many(s, [Registration(wire.RegisterRequest(node_name="late-0", inventory=inventory()),
+                                                  ENROLL)])
+        raise again
+
+
+def test_a_verified_canary_is_patched_into_the_snapshot_without_a_reload(kit: Kit, db_url: str) -> None:
+    rid, stable, cand = _stable_and_candidate(kit, nodes=2)
+
+    async def run() -> None:
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60)
+        await hub.start()
+        try:
+            before = hub.snapshot
+            (d,) = before.desired(before.nodes["gpu-000"])
+            assert (d.active, d.phase) == (stable, "staged")
+            _send(kit, "gpu-000", rid, cand, stable, "ok", T0)  # its trial passed: verified, generation g
+            g = _gen(kit)
+            hub._verified("gpu-000", [rid], g)
+            assert hub.snapshot is before and hub.snapshot.generation == g  # patched, not reloaded
+            (d,) = hub.snapshot.desired(hub.snapshot.nodes["gpu-000"])
+            assert (d.active, d.phase) == (cand, "verified")
+            assert hub.snapshot.desired(hub.snapshot.nodes["gpu-000"]) == load_snapshot(kit.factory).desired(
+                load_snapshot(kit.factory).nodes["gpu-000"])
+            (d1,) = hub.snapshot.desired(hub.snapshot.nodes["gpu-001"])
+            assert d1.phase == "staged"  # only that node
+        finally:
+            await hub.stop()
+
+    asyncio.run(run())

@@ -1,0 +1,130 @@
+"""The heartbeat, answered: shared by the FastAPI route and a lane that skips the framework for the common case.
+
+Every node of the fleet sends ``POST /v1/agents/heartbeat`` every heartbeat period (10,000 nodes: about 700
+a second), and nearly all of them are the same happy case: a node token this replica has cached, a valid
+body, a reply from the desired-state snapshot. :class:`HeartbeatLane` (an ASGI middleware) serves exactly that
+case without FastAPI's routing, dependency resolution and exception middleware: the body is validated by the
+same pydantic model (``wire.HeartbeatRequest``), the caller by the same auth cache and node check, and the
+answer comes from :func:`answer`, which the route uses too. Anything else (no or unknown token, another
+node's token, a body that does not validate) is handed to the route unchanged, its body replayed, so errors,
+status codes and the OpenAPI schema stay the route's. Body size and deadline limits and the request metrics
+are middlewares outside this one and apply to both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controller.api.deps import AppState
+from controller.auth import AuthError
+from controller.errors import Overloaded
+from controller.watch import slow_heartbeat
+from kernelctl import wire
+
+PATH = wire.API_PREFIX + "/agents/heartbeat"
+JSON = [(b"content-type", b"application/json")]
+
+
+async def answer(state: AppState, req: wire.HeartbeatRequest) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """Status, body and extra headers of the reply to a heartbeat its node sent (the caller checked that)."""
+    hb = state.settings.heartbeat_seconds
+    hub = getattr(state, "hub", None)
+    started = time.perf_counter()
+    try:
+        if hub is None:  # no hub (an app built without its lifespan): one transaction per heartbeat
+            reply, _gen = await run_in_threadpool(slow_heartbeat, state.factory, req, hb)
+            held, path = 0.0, "slow"
+        else:
+            reply, held, path = await hub.heartbeat(req, heartbeat_seconds=hb,
+                                                    slow_path=lambda r: slow_heartbeat(state.factory, r, hb))
+    except Overloaded as exc:
+        return 503, json.dumps({"detail": str(exc)}).encode(), [
+            (b"retry-after", str(max(1, math.ceil(exc.retry_after))).encode())]
+    state.metrics.heartbeat_service.labels(path).observe(max(0.0, time.perf_counter() - started - held))
+    return 200, reply.model_dump_json().encode(), []
+
+
+class _Route:
+    path = PATH  # what the request metrics label this lane's requests with (the route's template)
+
+
+class HeartbeatLane:
+    """ASGI middleware: the common heartbeat served directly (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, get_state: Callable[[], AppState | None]) -> None:
+        self.app = app
+        self.get_state = get_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.get_state() if scope["type"] == "http" and scope["method"] == "POST" \
+            and scope["path"] == PATH else None
+        if state is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        message: Message = {"more_body": True}
+        while message.get("more_body", False):
+            try:
+                message = await receive()
+            except HTTPException as exc:  # the body limits (outer middleware): too slow or too large
+                await _send(send, exc.status_code, json.dumps({"detail": exc.detail}).encode(),
+                            [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()])
+                return
+            if message["type"] != "http.request":  # the client went away: let the route see it
+                await self.app(scope, _replay(chunks, message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+        body = b"".join(chunks)
+        req = _common_case(state, scope, body)
+        if req is None:
+            await self.app(scope, _replay([body], None, receive), send)
+            return
+        scope["route"] = _Route
+        await _send(send, *await answer(state, req))
+
+
+async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*JSON, (b"content-length", str(len(payload)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _common_case(state: AppState, scope: Scope, body: bytes) -> wire.HeartbeatRequest | None:
+    """The request when it is the lane's case (cached token of this very node, valid body), else None."""
+    token = None
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, rest = value.decode("latin-1").partition(" ")
+            token = rest.strip() if scheme.lower() == "bearer" else None
+            break
+    try:
+        principal = state.cached_principal(token)
+        req = wire.HeartbeatRequest.model_validate_json(body) if principal is not None else None
+    except (AuthError, ValidationError, ValueError):
+        return None
+    if req is None or principal is None or principal.role != "agent" or principal.node != req.node_name:
+        return None
+    return req
+
+
+def _replay(chunks: list[bytes], last: Message | None, receive: Receive) -> Receive:
+    """A receive() that hands the body already read to the route, then goes on with the connection's."""
+    pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    if last is not None:
+        pending = [last]
+
+    async def replay() -> Any:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
