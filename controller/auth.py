@@ -176,6 +176,13 @@ def authenticate(session: Session, token: str | None) -> Principal:
     return Principal(token_id=row.id, name=row.name, role=row.role, node=row.node_name)
 
 
+def lapsed_tokens(session: Session, since: dt.datetime, now: dt.datetime) -> list[str]:
+    """Hashes of the tokens revoked at or after ``since``, or expired in (``since``, ``now``]: what an
+    authentication cache must drop (a handful of rows however many tokens are cached)."""
+    return list(session.scalars(select(ApiToken.token_hash).where(
+        (ApiToken.revoked_at >= since) | ((ApiToken.expires_at > since) & (ApiToken.expires_at <= now)))))
+
+
 def require_role(principal: Principal, *roles: str) -> None:
     """Raise Forbidden unless the principal has one of ``roles`` (operator implies viewer)."""
     allowed = set(roles)

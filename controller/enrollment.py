@@ -78,9 +78,10 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
         dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
         rows = [{"name": name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
                  **items[i].req.inventory.model_dump()} for name, i in fresh.items()]
-        ids = dict((n, nid) for nid, n in conn.execute(
-            dialect.insert(Node).values(rows).on_conflict_do_nothing(index_elements=["name"])
-            .returning(Node.id, Node.name)))
+        # executemany with RETURNING (SQLAlchemy's insertmanyvalues): one compiled statement whatever the batch
+        ids = {n: nid for nid, n in conn.execute(
+            dialect.insert(Node).on_conflict_do_nothing(index_elements=["name"])
+            .returning(Node.id, Node.name, sort_by_parameter_order=True), rows) if nid is not None}
         for name, i in fresh.items():
             if name not in ids:
                 out[i] = Conflict(f"node {name} was registered concurrently; nothing was changed")
@@ -115,7 +116,8 @@ def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], i
     plain = {name: TOKEN_PREFIX + secrets.token_urlsafe(32) for name in created}
     token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name,
                    "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
-    for tid, node in conn.execute(insert(ApiToken).values(token_rows).returning(ApiToken.id, ApiToken.node_name)):
+    for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
+                                                             sort_by_parameter_order=True), token_rows):
         actor = items[created[node]].principal.actor
         events.append(_event(now, actor, "token.created", f"token:{tid}", node,
                              {"name": f"node:{node}"[:128], "role": "agent", "node": node, "expires_at": None}))

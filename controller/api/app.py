@@ -26,13 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
-from controller.api.deps import AppState
+from controller.api.deps import AUTH_SWEEP_SECONDS, AppState
 from controller.api.heartbeat_lane import HeartbeatLane
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, make_engine, session_factory
 from controller.db.migrate import check_schema_current
-from controller.errors import KernelctlError
+from controller.errors import KernelctlError, first_line
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl import __version__
@@ -261,6 +261,16 @@ def build_state(settings: Settings) -> AppState:
     return state
 
 
+async def _sweep_auth(state: AppState) -> None:
+    """Every few seconds: drop cached principals of tokens revoked or expired elsewhere (AppState)."""
+    while True:
+        await asyncio.sleep(AUTH_SWEEP_SECONDS)
+        try:
+            await asyncio.to_thread(state.sweep_lapsed_tokens)
+        except Exception as exc:  # database down: entries lapse after auth_cache_seconds as before
+            log.warning("auth cache sweep failed: %s", first_line(exc))
+
+
 def create_app(settings: Settings, *, state: AppState | None = None, run_scheduler: bool = True) -> FastAPI:
     """The controller's ASGI app. ``state`` may be pre-built (``build_state``) to fail before serving."""
 
@@ -272,6 +282,7 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
         app.state.kctl = st
         hub = start_hub(st)  # desired-state push and batched liveness (controller.watch), every replica
         await hub.start()
+        sweeper = asyncio.create_task(_sweep_auth(st), name="auth-sweep")
         scheduler = ControllerScheduler(st) if run_scheduler else None
         if scheduler is not None:
             scheduler.start()
@@ -280,6 +291,7 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
         finally:
             if scheduler is not None:
                 scheduler.shutdown()
+            sweeper.cancel()
             await hub.stop()
             st.elector.release()
             st.metrics.leader.set(0)

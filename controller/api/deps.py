@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections import Counter
@@ -15,13 +16,16 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from controller.auth import AuthError, Principal, authenticate, hash_token, require_role
+from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
 from controller.db.engine import session_scope
+from controller.db.models import utcnow
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
 AUTH_CACHE_SECONDS = 60.0  # default of settings.auth_cache_seconds
+AUTH_SWEEP_SECONDS = 5.0  # how often the cache drops tokens revoked or expired elsewhere
+SWEEP_LOOKBACK_SECONDS = 60.0  # a revocation whose transaction committed this much after its timestamp is seen
 
 
 @dataclass
@@ -36,6 +40,7 @@ class AppState:
     trusted_keys: dict | None = None
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
     _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes
+    _swept_at: float = float("-inf")  # monotonic start of the last successful sweep_lapsed_tokens
     _auth_lock: threading.Lock = field(default_factory=threading.Lock)
     _rollbacks: Counter[int] = field(default_factory=Counter)  # rollout id -> rollbacks in flight here
 
@@ -72,7 +77,28 @@ class AppState:
         ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
         with self._auth_lock:
             hit = self._auth_cache.get(hash_token(token))
-        return hit[1] if hit is not None and time.monotonic() - hit[0] < ttl else None
+        # valid for ttl after it was cached, or after the last sweep that would have dropped it
+        return hit[1] if hit is not None and time.monotonic() - max(hit[0], self._swept_at) < ttl else None
+
+    def sweep_lapsed_tokens(self) -> int:
+        """Drop cached principals of tokens revoked or expired lately (by any replica or the CLI): one query
+        for the whole cache, so the cache stays valid without a lookup per token and ``ttl`` (run every few
+        seconds: a revocation elsewhere takes effect within that time). Returns the entries dropped."""
+        ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
+        started = time.monotonic()
+        now = utcnow()
+        with self.factory() as session:
+            lapsed = lapsed_tokens(session, now - dt.timedelta(seconds=ttl + SWEEP_LOOKBACK_SECONDS), now)
+        dropped = 0
+        with self._auth_lock:
+            for key in lapsed:
+                hit = self._auth_cache.pop(key, None)
+                if hit is not None:
+                    dropped += 1
+                    if hit[1].node is not None:
+                        self._auth_by_node.get(hit[1].node, set()).discard(key)
+            self._swept_at = started
+        return dropped
 
     def authenticate(self, token: str | None) -> Principal:
         """Authenticate a bearer token (cached ``auth_cache_seconds``: a revocation or expiry made elsewhere

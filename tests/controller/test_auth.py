@@ -133,3 +133,36 @@ def test_bootstrap_bad_lines_name_the_line(tmp_path: Path, line: str, message: s
 def test_bootstrap_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read bootstrap tokens file"):
         parse_bootstrap_file(tmp_path / "nope")
+
+
+def test_auth_cache_is_kept_valid_by_sweeps_and_drops_what_another_replica_revoked(db_url: str) -> None:
+    """A cached token stays valid past auth_cache_seconds while sweeps confirm it (no lookup per token); a
+    revocation or expiry made elsewhere is dropped by the next sweep."""
+    import datetime as dt
+    import time
+
+    from controller.api.app import build_state
+    from controller.db.models import utcnow
+    from kernelctl.settings import Settings
+
+    state = build_state(Settings(database_url=db_url, auth_cache_seconds=0.5))
+    try:
+        with session_scope(state.factory) as s:
+            keep = create_token(s, "agent", "node:a", node="a")
+            gone = create_token(s, "agent", "node:b", node="b")
+            soon = create_token(s, "viewer", "v", expires_at=utcnow() + dt.timedelta(seconds=1))
+        for t in (keep, gone, soon):
+            assert state.authenticate(t).name in ("node:a", "node:b", "v")
+        with session_scope(state.factory) as s:  # "another replica": straight in the database
+            revoke_token(s, s.scalar(select(ApiToken.id).where(ApiToken.name == "node:b")), actor="op")
+        time.sleep(1.1)  # past the ttl, and `soon` has expired
+        assert state.cached_principal(keep) is None  # no sweep yet: lapsed after the ttl
+        assert state.sweep_lapsed_tokens() == 2  # `gone` revoked, `soon` expired: dropped
+        assert state.cached_principal(keep).node == "a"  # confirmed by the sweep, without a lookup
+        assert state.cached_principal(gone) is None and state.cached_principal(soon) is None
+        with pytest.raises(AuthError, match="revoked"):
+            state.authenticate(gone)
+        with pytest.raises(AuthError, match="expired"):
+            state.authenticate(soon)
+    finally:
+        state.engine.dispose()
