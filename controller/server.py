@@ -8,6 +8,7 @@ releases leadership. Access logs carry method, path and status only: never heade
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,12 +87,23 @@ def _upgrade_embedded_database(url: str) -> None:
                  changed[0] or "empty", changed[1])
 
 
+def _raise_fd_limit() -> None:
+    """Every agent holds a connection open: take the file-descriptor hard limit (the soft one is often 1024)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+
+
 def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     """Run the controller until SIGTERM/SIGINT. Raises DatabaseError/OSError/ValueError before serving."""
     configure_logging(settings.log_level, settings.log_format)
     parse_targets(settings.notify_urls)  # a bad KERNELCTL_NOTIFY_URLS is refused before anything starts
     _upgrade_embedded_database(settings.database_url)
     state = build_state(settings)  # fail fast: DB reachable, schema at head, keys and tokens loaded
+    _raise_fd_limit()
     sock = bind_socket(settings.listen_host, settings.listen_port)
     host, port = sock.getsockname()[:2]
     app = create_app(settings, state=state)

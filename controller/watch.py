@@ -78,7 +78,7 @@ class DesiredHub:
 
     def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
                  min_reload_seconds: float = 0.05, liveness_flush_seconds: float = 1.0,
-                 max_pending_writes: int = 64, max_queued_writes: int = 5000, metrics: Any = None) -> None:
+                 max_pending_writes: int = 64, max_queued_writes: int = 16384, metrics: Any = None) -> None:
         self.factory = factory
         self.url = database_url
         self.poll_seconds = poll_seconds

@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         64, gt=0, description="Most agent writes (registrations, heartbeats that change something, report "
         "batches) waiting at once per replica; more are answered 503 with Retry-After.")
     max_queued_writes: int = Field(
-        4096, gt=0, description="Most group-committed agent writes (registrations, version switches) queued at "
+        16384, gt=0, description="Most group-committed agent writes (registrations, version switches) queued at "
         "once per replica; more are answered 503 with Retry-After.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
@@ -78,7 +78,10 @@ class Settings(BaseSettings):
                                              "after this time.")
     max_header_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024, description="Largest request line plus "
                                   "headers; larger is refused with 431 (or 400 from h11 while still arriving).")
-    max_connections: int = Field(16384, gt=0, description="Most concurrent connections and requests (503 over).")
+    max_connections: int = Field(
+        32768, gt=0, description="Most concurrent connections, and requests in flight, per replica (503 over): every "
+        "agent holds a watch open, and a fleet-wide change briefly doubles the requests in flight (replies going "
+        "out while the next watches come in). The file-descriptor limit is raised to its hard limit at start.")
     http_impl: str = Field("auto", pattern="^(auto|httptools|h11)$", description="HTTP/1.1 parser of `kernelctl "
                            "serve`: httptools (C, the default when installed) or h11 (pure Python); auto picks "
                            "httptools when it is installed. Both enforce the header deadline and size limit.")

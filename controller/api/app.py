@@ -331,7 +331,9 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
     app.include_router(ui_router)
     _install_error_handlers(app)
 
-    app.add_middleware(HeartbeatLane, get_state=lambda: getattr(app.state, "kctl", None))
     app.add_middleware(BodyLimitMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(getattr(app.state, "kctl", None), "metrics", None))
+    build = app.build_middleware_stack  # the heartbeat lane goes outside every middleware (heartbeat_lane)
+    app.build_middleware_stack = lambda: HeartbeatLane(  # type: ignore[method-assign]
+        build(), get_state=lambda: getattr(app.state, "kctl", None))
     return app

@@ -7,12 +7,13 @@ case without FastAPI's routing, dependency resolution and exception middleware: 
 same pydantic model (``wire.HeartbeatRequest``), the caller by the same auth cache and node check, and the
 answer comes from :func:`answer`, which the route uses too. Anything else (no or unknown token, another
 node's token, a body that does not validate) is handed to the route unchanged, its body replayed, so errors,
-status codes and the OpenAPI schema stay the route's. Body size and deadline limits and the request metrics
-are middlewares outside this one and apply to both.
+status codes and the OpenAPI schema stay the route's. The lane wraps the whole app (it is outside FastAPI's
+middlewares) and applies their body size and deadline limits and request metric itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -21,7 +22,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.api.deps import AppState
@@ -53,12 +53,11 @@ async def answer(state: AppState, req: wire.HeartbeatRequest) -> tuple[int, byte
     return 200, reply.model_dump_json().encode(), []
 
 
-class _Route:
-    path = PATH  # what the request metrics label this lane's requests with (the route's template)
-
-
 class HeartbeatLane:
-    """ASGI middleware: the common heartbeat served directly (see the module docstring)."""
+    """The outermost ASGI app: the common heartbeat served directly, everything else passed to ``app`` (the
+    FastAPI app with its middlewares). The lane applies the same limits itself (a declared body within
+    ``max_request_bytes``, received within ``body_timeout_seconds``; anything else goes the full way) and
+    records the same request metric."""
 
     def __init__(self, app: ASGIApp, get_state: Callable[[], AppState | None]) -> None:
         self.app = app
@@ -67,29 +66,49 @@ class HeartbeatLane:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.get_state() if scope["type"] == "http" and scope["method"] == "POST" \
             and scope["path"] == PATH else None
-        if state is None:
-            await self.app(scope, receive, send)
+        length = _declared_length(scope) if state is not None else None
+        if state is None or length is None or length > state.settings.max_request_bytes:
+            await self.app(scope, receive, send)  # chunked, too large, not a heartbeat: the full stack answers
             return
+        started = time.perf_counter()
         chunks: list[bytes] = []
-        message: Message = {"more_body": True}
-        while message.get("more_body", False):
+        try:
+            async with asyncio.timeout(state.settings.body_timeout_seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away: let the route see it
+                        await self.app(scope, _replay(chunks, message, receive), send)
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            status = 408
+            detail = f"request body not received within {state.settings.body_timeout_seconds:g} seconds"
+            await _send(send, status, json.dumps({"detail": detail}).encode(), [(b"connection", b"close")])
+        else:
+            body = b"".join(chunks)
+            req = _common_case(state, scope, body)
+            if req is None:
+                await self.app(scope, _replay([body], None, receive), send)
+                return
             try:
-                message = await receive()
-            except HTTPException as exc:  # the body limits (outer middleware): too slow or too large
-                await _send(send, exc.status_code, json.dumps({"detail": exc.detail}).encode(),
-                            [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()])
+                status, payload, headers = await answer(state, req)
+            except Exception:  # e.g. the database is down: the route answers it again, with the app's handlers
+                await self.app(scope, _replay([body], None, receive), send)
                 return
-            if message["type"] != "http.request":  # the client went away: let the route see it
-                await self.app(scope, _replay(chunks, message, receive), send)
-                return
-            chunks.append(message.get("body", b""))
-        body = b"".join(chunks)
-        req = _common_case(state, scope, body)
-        if req is None:
-            await self.app(scope, _replay([body], None, receive), send)
-            return
-        scope["route"] = _Route
-        await _send(send, *await answer(state, req))
+            await _send(send, status, payload, headers)
+        state.metrics.http_duration.labels("POST", PATH, str(status)).observe(time.perf_counter() - started)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
