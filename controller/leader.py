@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import threading
+import time
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -44,6 +45,7 @@ class LeaderElector:
         self._lock = threading.Lock()
         self._leader = False
         self._on_change = on_change
+        self.leading_since: float | None = None  # time.monotonic() when this replica last became leader
 
     @property
     def is_leader(self) -> bool:
@@ -53,6 +55,7 @@ class LeaderElector:
         if leader != self._leader:
             log.warning("leadership %s: %s", "acquired" if leader else "lost", why)
             self._leader = leader
+            self.leading_since = time.monotonic() if leader else None
             if self._on_change is not None:
                 self._on_change(leader)
 

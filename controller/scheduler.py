@@ -101,9 +101,16 @@ class ControllerScheduler:
         if not self.state.elector.check():
             return
         started = time.perf_counter()
+        hub = getattr(self.state, "hub", None)
         try:
+            if hub is not None:  # liveness this replica holds reaches the database before staleness is judged
+                hub.flush_liveness()
+            since = self.state.elector.leading_since
+            settled = since is None or time.monotonic() - since >= self.state.settings.stale_after_seconds
             with self.state.tx() as session:
-                result = run_tick(session, utcnow(), settings=self.state.settings)
+                result = run_tick(session, utcnow(), settings=self.state.settings, judge_staleness=settled)
+            if result.rolled_back and hub is not None:  # the canaries' watches answer without coalescing
+                hub.urgent()
             observe_tick(self.state, result)
         except Exception:
             log.exception("judge tick failed (will retry next tick)")

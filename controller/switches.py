@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from controller.assignments import AssignmentView
@@ -105,6 +105,22 @@ def record_switches(session: Session, items: list[Switch]) -> list[Switched | ob
     return out
 
 
+PG_ASSIGNMENTS = text(
+    "UPDATE assignments AS a SET active_bundle_id = v.active, phase = v.phase, phase_at = v.phase_at, "
+    "updated_at = v.at FROM unnest(CAST(:nid AS bigint[]), CAST(:bname AS text[]), CAST(:active AS bigint[]), "
+    "CAST(:phase AS text[]), CAST(:phase_at AS timestamptz[]), CAST(:at AS timestamptz[])) "
+    "AS v(nid, bname, active, phase, phase_at, at) WHERE a.node_id = v.nid AND a.bundle_name = v.bname")
+PG_CLOSE = text(
+    "UPDATE activations AS x SET ended_at = v.at FROM unnest(CAST(:nid AS bigint[]), CAST(:bname AS text[]), "
+    "CAST(:at AS timestamptz[])) AS v(nid, bname, at) "
+    "WHERE x.node_id = v.nid AND x.bundle_name = v.bname AND x.ended_at IS NULL")
+
+
+def _columns(rows: list[dict[str, object]], names: tuple[str, ...]) -> dict[str, list[object]]:
+    """Rows as one array per column (PostgreSQL ``unnest`` parameters)."""
+    return {n: [r[n] for r in rows] for n in names}
+
+
 def _write(session: Session, assign_updates: list[dict[str, object]], closes: list[dict[str, object]],
            opens: list[dict[str, object]], tags: list[dict[str, object]],
            events: list[tuple[Switch, str, int | None, int | None]]) -> None:
@@ -112,12 +128,17 @@ def _write(session: Session, assign_updates: list[dict[str, object]], closes: li
         return
     conn = session.connection()
     b = bindparam
-    conn.execute(update(Assignment).where(Assignment.node_id == b("nid"), Assignment.bundle_name == b("bname"))
-                 .values(active_bundle_id=b("active"), phase=b("phase"), phase_at=b("phase_at"), updated_at=b("at")),
-                 assign_updates)
-    if closes:
-        conn.execute(update(Activation).where(Activation.node_id == b("nid"), Activation.bundle_name == b("bname"),
-                                              Activation.ended_at.is_(None)).values(ended_at=b("at")), closes)
+    if conn.dialect.name == "postgresql":  # one statement per table for the whole batch
+        conn.execute(PG_ASSIGNMENTS, _columns(assign_updates, ("nid", "bname", "active", "phase", "phase_at", "at")))
+        if closes:
+            conn.execute(PG_CLOSE, _columns(closes, ("nid", "bname", "at")))
+    else:
+        conn.execute(update(Assignment).where(Assignment.node_id == b("nid"), Assignment.bundle_name == b("bname"))
+                     .values(active_bundle_id=b("active"), phase=b("phase"), phase_at=b("phase_at"),
+                             updated_at=b("at")), assign_updates)
+        if closes:
+            conn.execute(update(Activation).where(Activation.node_id == b("nid"), Activation.bundle_name == b("bname"),
+                                                  Activation.ended_at.is_(None)).values(ended_at=b("at")), closes)
     if opens:
         conn.execute(insert(Activation), opens)
     if tags:

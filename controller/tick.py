@@ -103,11 +103,13 @@ def _should_record(d: Decision, row: RolloutStratum, last: Verdict | None, now: 
     return (now - as_utc(last.at)).total_seconds() >= every
 
 
-def run_tick(session: Session, now: dt.datetime, *, settings: Settings) -> TickResult:
-    """One judge pass (the leader calls it every ``tick_seconds``)."""
+def run_tick(session: Session, now: dt.datetime, *, settings: Settings, judge_staleness: bool = True) -> TickResult:
+    """One judge pass (the leader calls it every ``tick_seconds``). ``judge_staleness`` False: no node is
+    marked stale (a leader that took over less than ``stale_after_seconds`` ago has not heard every agent)."""
     t0 = time.perf_counter()
     result = TickResult()
-    result.stale_nodes = mark_stale(session, now, settings.stale_after_seconds)
+    if judge_staleness:
+        result.stale_nodes = mark_stale(session, now, settings.stale_after_seconds)
 
     live = list(session.scalars(
         select(Rollout).where(Rollout.state.in_(ACTIVE_STATES))

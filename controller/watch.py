@@ -91,6 +91,7 @@ class DesiredHub:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._reloaded = asyncio.Event()
         self._poke = asyncio.Event()
+        self._urgent = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._liveness: dict[int, dt.datetime] = {}
@@ -140,6 +141,17 @@ class DesiredHub:
         if loop is not None and not loop.is_closed():
             loop.call_later(delay, fn)
 
+    def urgent(self) -> None:
+        """A rollback was committed here: reload now, skipping the coalescing pause (thread-safe)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._urgent_now)
+
+    def _urgent_now(self) -> None:
+        self._urgent.set()
+        self._poke.set()
+
     def poke(self, generation: int | None = None) -> None:
         """Ask for a reload (thread-safe): a commit here, a NOTIFY, or a request that is ahead of us."""
         if generation is not None and generation <= self.snapshot.generation:
@@ -166,8 +178,12 @@ class DesiredHub:
                 self._install(snap)
                 if self.metrics is not None:
                     self.metrics.desired_reload.observe(spent)
-            # coalesce: at most one reload per min_reload_seconds, and reloading at most a third of the time
-            await asyncio.sleep(max(self.min_reload_seconds, 2.0 * spent) if snap is not None else 0.0)
+            # coalesce: at most one reload per min_reload_seconds, and reloading at most a third of the time,
+            # unless a rollback was decided here meanwhile (urgent: its canaries must switch back at once)
+            if snap is not None and not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), max(self.min_reload_seconds, 2.0 * spent))
+            self._urgent.clear()
 
     def _load_if_newer(self) -> Snapshot | None:
         with self.factory() as session:
@@ -346,6 +362,7 @@ class DesiredHub:
             if self._staged_written.get(key) != versions:
                 self._staged[key] = versions
 
+    @GROUP_RETRY  # a deadlock with the leader's stale marking: written again at once (else kept for the next)
     def flush_liveness(self) -> int:
         """Write the buffered heartbeat times and staged versions: one statement each (PostgreSQL) or one
         executemany each (SQLite), in one transaction."""

@@ -8,6 +8,7 @@ leadership. Every error answers JSON ``{"detail": "..."}`` with the status the A
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -280,6 +281,8 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
 
         st = state or build_state(settings)
         app.state.kctl = st
+        with contextlib.suppress(Exception):  # the database may be down at start: tokens are looked up then
+            await asyncio.to_thread(st.warm_auth_cache)
         hub = start_hub(st)  # desired-state push and batched liveness (controller.watch), every replica
         await hub.start()
         sweeper = asyncio.create_task(_sweep_auth(st), name="auth-sweep")

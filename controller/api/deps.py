@@ -12,18 +12,19 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
 from controller.db.engine import session_scope
-from controller.db.models import utcnow
+from controller.db.models import ApiToken, utcnow
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
 AUTH_CACHE_SECONDS = 60.0  # default of settings.auth_cache_seconds
+AUTH_CACHE_MAX = 50_000  # cached principals (the cache is emptied when it grows past this)
 AUTH_SWEEP_SECONDS = 5.0  # how often the cache drops tokens revoked or expired elsewhere
 SWEEP_LOOKBACK_SECONDS = 60.0  # a revocation whose transaction committed this much after its timestamp is seen
 
@@ -111,11 +112,29 @@ class AppState:
         self.remember(token, principal)  # type: ignore[arg-type]
         return principal
 
+    def warm_auth_cache(self) -> int:
+        """Cache every live token's principal (one query; at start, so a restarted replica does not look up
+        each of the fleet's tokens as its agents reconnect at once). Returns the tokens cached."""
+        now = utcnow()
+        with self.factory() as session:
+            rows = session.execute(select(ApiToken.id, ApiToken.name, ApiToken.role, ApiToken.node_name,
+                                          ApiToken.token_hash)
+                                   .where(ApiToken.revoked_at.is_(None),
+                                          ApiToken.expires_at.is_(None) | (ApiToken.expires_at > now))
+                                   .order_by(ApiToken.id.desc()).limit(AUTH_CACHE_MAX)).all()
+        at = time.monotonic()
+        with self._auth_lock:
+            for tid, name, role, node, key in rows:
+                self._auth_cache[key] = (at, Principal(token_id=tid, name=name, role=role, node=node))
+                if node is not None:
+                    self._auth_by_node.setdefault(node, set()).add(key)
+        return len(rows)
+
     def remember(self, token: str, principal: Principal) -> None:
         """Cache ``principal`` for ``token`` (also a token this replica just issued: no lookup on first use)."""
         key = hash_token(token)
         with self._auth_lock:
-            if len(self._auth_cache) > 50_000:
+            if len(self._auth_cache) > AUTH_CACHE_MAX:
                 self._auth_cache.clear()
                 self._auth_by_node.clear()
             self._auth_cache[key] = (time.monotonic(), principal)

@@ -96,7 +96,7 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
             q = _hist_quantile(h, 0.99)
             http[ep]["server_p99_le_ms"] = None if q is None else q * 1000
     if "heartbeat" in http:  # the controller's time per heartbeat without the watch's hold, by path
-        for path in ("fast", "slow", ""):
+        for path in ("fast", "switch", "slow", ""):
             h = _metric_histogram(metrics_text, "kernelctl_heartbeat_service_seconds", f'path="{path}"' if path else "")
             if h["count"]:
                 q = _hist_quantile(h, 0.99)

@@ -164,5 +164,11 @@ def test_auth_cache_is_kept_valid_by_sweeps_and_drops_what_another_replica_revok
             state.authenticate(gone)
         with pytest.raises(AuthError, match="expired"):
             state.authenticate(soon)
+        fresh = build_state(Settings(database_url=db_url, auth_cache_seconds=60))  # a restarted replica
+        try:
+            assert fresh.warm_auth_cache() == 1  # only the live token (revoked and expired ones are not cached)
+            assert fresh.cached_principal(keep).node == "a" and fresh.cached_principal(gone) is None
+        finally:
+            fresh.engine.dispose()
     finally:
         state.engine.dispose()

@@ -199,6 +199,9 @@ def test_stale_nodes_marked_and_excluded_from_evidence(kit: Kit) -> None:
     send(kit, node, rid, cand, kit.ref(1), 1, outcome="crash", now=1)
     with kit.tx() as s:
         s.execute(update(Node).where(Node.id != node.id).values(last_heartbeat_at=at(95)))
+    with kit.factory() as s:  # a leader that took over less than stale_after ago judges no staleness yet
+        assert run_tick(s, at(100), settings=Settings(stale_after_seconds=30), judge_staleness=False).stale_nodes == []
+        s.rollback()
     res = tick(kit, 100, Settings(stale_after_seconds=30))
     assert res.stale_nodes == [node.name] and res.rolled_back == []
     assert [e.node for e in kit.events("node.stale")] == [node.name]
