@@ -468,7 +468,8 @@ class DesiredHub:
             t0 = time.monotonic()
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ev.wait(), left)
+                    async with asyncio.timeout(left):  # no task per held watch (wait_for makes one)
+                        await ev.wait()
             finally:
                 held += time.monotonic() - t0
                 waiters = self._waiters.get(req.node_name)

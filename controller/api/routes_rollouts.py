@@ -25,14 +25,13 @@ from controller.api.schemas import (
     StratumOut,
     VerdictOut,
 )
-from controller.compat import load_fleet
 from controller.db.engine import aborted_by_lock_cycle
-from controller.db.models import Assignment, Bundle, Rollout, Verdict
+from controller.db.models import Assignment, Bundle, Node, Rollout, Verdict
 from controller.errors import ConcurrentWrite, Conflict, NotFound
 from controller.explain import RolloutExplain
 from controller.explain import explain as explain_rollout
 from kernelctl import wire
-from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES
+from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES, stratum_key
 
 RolloutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Rollout id.")]
 
@@ -70,17 +69,21 @@ def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:
     baselines = {b.id: b.ref for b in session.scalars(
         select(Bundle).where(Bundle.id.in_([s.baseline_bundle_id for s in r.strata if s.baseline_bundle_id]))
     )} if r.strata else {}
-    # nodes per state in each stratum: eligible (fleet), assigned (desired = candidate), active (running it)
-    stratum_of = {n.id: n.stratum for n in load_fleet(session)}
-    fleet_counts = Counter(stratum_of.values())
+    # nodes per state in each stratum: eligible (fleet), assigned (desired = candidate), active (running it);
+    # counted in SQL (a 10,000-node fleet is not loaded on every poll of a rollout)
+    fleet_counts: Counter[str] = Counter()
+    for arch, drv, triton, n in session.execute(
+            select(Node.arch, Node.driver_version, Node.triton_version, func.count())
+            .group_by(Node.arch, Node.driver_version, Node.triton_version)):
+        fleet_counts[stratum_key(arch, drv, triton)] += n
     nodes: dict[str, Counter] = defaultdict(Counter)
-    for node_id, desired, active, phase in session.execute(
-        select(Assignment.node_id, Assignment.desired_bundle_id, Assignment.active_bundle_id, Assignment.phase)
+    for arch, drv, triton, desired, active, phase in session.execute(
+        select(Node.arch, Node.driver_version, Node.triton_version, Assignment.desired_bundle_id,
+               Assignment.active_bundle_id, Assignment.phase)
+        .join(Node, Node.id == Assignment.node_id)
         .where(Assignment.bundle_name == r.bundle.name, Assignment.rollout_id == r.id)
     ):
-        st = stratum_of.get(node_id)
-        if st is None:
-            continue
+        st = stratum_key(arch, drv, triton)
         if desired == r.bundle_id:
             nodes[st]["assigned"] += 1
         if active == r.bundle_id:
