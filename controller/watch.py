@@ -7,9 +7,16 @@ desired state and serves heartbeats from it:
   (memoised per stratum and assignment); the node's liveness and staged versions (informational: desired
   state does not depend on them) go into buffers that one statement each per flush writes
   (``liveness_flush_seconds``): no transaction per heartbeat.
-* **Slow path** (the node reports another version active or staged, a phase moves, a stale node is back, an
-  inventory, a node the snapshot does not know yet): the full ``registry.heartbeat`` transaction, in a worker
+* **Switch path** (the node's only news is another version active, and the canary phase that follows): queued
+  for group commit (``controller.group_commit``, ``controller.switches``): one set-based transaction for every
+  switch queued meanwhile; at most ``max_queued_writes`` wait, more are answered 503 with ``Retry-After``.
+  Registrations are group-committed the same way (``controller.enrollment``).
+* **Slow path** (a stale node is back, an inventory, a new assignment to create, a version the snapshot does
+  not know, a node the snapshot does not know yet): the full ``registry.heartbeat`` transaction, in a worker
   thread; at most ``max_pending_writes`` of them wait at once, more are answered 503 with ``Retry-After``.
+* **Patches**: after a switch batch, or a canary verified by report ingestion, the replica patches the nodes'
+  rows into its snapshot (:meth:`DesiredHub.patch`) and moves it to the commit's generation when nothing else
+  committed in between: no reload. A rollback decided by this replica's tick skips the reload coalescing.
 * **Watch** (long-poll): a heartbeat carrying the ``generation`` it last applied and ``wait_seconds`` is held
   until the node's desired state changes or the wait ends, so a rollback reaches every waiting canary in one
   round trip. The snapshot is reloaded when the generation moves: PostgreSQL ``LISTEN kernelctl_desired``
