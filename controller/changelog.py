@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -40,3 +41,12 @@ def record_event(
     )
     session.add(event)
     return event
+
+
+def event_row(*, at: dt.datetime, actor: str, action: str, subject: str, reason: str | None = None,
+              payload: dict[str, Any] | None = None, bundle: str | None = None, node: str | None = None,
+              rollout_id: int | None = None) -> dict[str, Any]:
+    """One event as a row for a bulk ``insert(Event)`` (set-based writers: the same fields as
+    :func:`record_event`)."""
+    return {"at": at, "actor": actor, "action": action, "subject": subject, "reason": reason,
+            "payload": payload or {}, "bundle": bundle, "node": node, "rollout_id": rollout_id}

@@ -21,9 +21,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from controller.auth import TOKEN_PREFIX, Principal, hash_token, issue_node_token
+from controller.changelog import event_row
 from controller.db.models import ApiToken, Event, Node, utcnow
 from controller.errors import Conflict
-from controller.registry import register_node
+from controller.registry import already_registered, register_node
 from kernelctl import wire
 
 
@@ -43,18 +44,6 @@ class Registered:
     token_id: int | None = None  # the new token's id when known (the API caches its principal at once)
 
 
-def _already(name: str) -> Conflict:
-    return Conflict(
-        f"node {name} is already registered: an enrollment token registers new nodes only; re-register with "
-        f"the node's own token, or have an operator issue one (kernelctl token create --role agent --node {name})")
-
-
-def _event(now: dt.datetime, actor: str, action: str, subject: str, node: str, payload: dict[str, Any],
-           reason: str | None = None) -> dict[str, Any]:
-    return {"at": now, "actor": actor, "action": action, "subject": subject, "reason": reason, "payload": payload,
-            "bundle": None, "node": node, "rollout_id": None}
-
-
 def register_many(session: Session, items: list[Registration], now: dt.datetime | None = None
                   ) -> list[Registered | Exception]:
     """Register every item (see the module docstring); one result per item, in order."""
@@ -68,7 +57,7 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
         name = it.req.node_name
         if name in existing or name in fresh:
             if it.principal.is_enrollment:
-                out[i] = _already(name)
+                out[i] = already_registered(name)
             else:
                 one_by_one.append(i)
         else:
@@ -104,25 +93,27 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
 def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], ids: dict[str, int],
                 now: dt.datetime, out: list[Registered | Exception | None]) -> None:
     """Node tokens for newly created nodes (earlier tokens bound to the name revoked), and their events."""
-    events = [_event(now, items[i].principal.actor, "node.registered", f"node:{name}", name,
-                     items[i].req.inventory.model_dump()) for name, i in created.items()]
+    events = [event_row(at=now, actor=items[i].principal.actor, action="node.registered", subject=f"node:{name}",
+                        node=name, payload=items[i].req.inventory.model_dump()) for name, i in created.items()]
     revoked: dict[str, list[int]] = {}
     for tid, node, tname, role in conn.execute(
             update(ApiToken).where(ApiToken.node_name.in_(list(created)), ApiToken.revoked_at.is_(None))
             .values(revoked_at=now).returning(ApiToken.id, ApiToken.node_name, ApiToken.name, ApiToken.role)):
         revoked.setdefault(node, []).append(tid)
-        events.append(_event(now, items[created[node]].principal.actor, "token.revoked", f"token:{tid}", node,
-                             {"name": tname, "role": role}, reason="superseded by a new node token"))
+        events.append(event_row(at=now, actor=items[created[node]].principal.actor, action="token.revoked",
+                                subject=f"token:{tid}", node=node, payload={"name": tname, "role": role},
+                                reason="superseded by a new node token"))
     plain = {name: TOKEN_PREFIX + secrets.token_urlsafe(32) for name in created}
     token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name,
                    "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
     for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
                                                              sort_by_parameter_order=True), token_rows):
         actor = items[created[node]].principal.actor
-        events.append(_event(now, actor, "token.created", f"token:{tid}", node,
-                             {"name": f"node:{node}"[:128], "role": "agent", "node": node, "expires_at": None}))
+        events.append(event_row(at=now, actor=actor, action="token.created", subject=f"token:{tid}", node=node,
+                                payload={"name": f"node:{node}"[:128], "role": "agent", "node": node,
+                                         "expires_at": None}))
         if revoked.get(node):
-            events.append(_event(now, actor, "token.node_reissued", f"token:{tid}", node,
-                                 {"revoked": sorted(revoked[node])}))
+            events.append(event_row(at=now, actor=actor, action="token.node_reissued", subject=f"token:{tid}",
+                                    node=node, payload={"revoked": sorted(revoked[node])}))
         out[created[node]] = Registered(ids[node], plain[node], new=True, token_id=tid)
     conn.execute(insert(Event), events)

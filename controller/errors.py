@@ -5,6 +5,8 @@ Every message is one line that says what is wrong (which rollout, which stratum,
 
 from __future__ import annotations
 
+import math
+
 
 class KernelctlError(Exception):
     """Base class of domain errors; ``status_code`` is the HTTP status the API answers with."""
@@ -53,6 +55,11 @@ class Overloaded(KernelctlError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+    @property
+    def retry_after_header(self) -> str:
+        """The ``Retry-After`` value: whole seconds, at least 1."""
+        return str(max(1, math.ceil(self.retry_after)))
 
 
 def first_line(exc: BaseException) -> str:

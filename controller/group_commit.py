@@ -43,29 +43,21 @@ class GroupCommit(Generic[Item]):
         self._task = asyncio.create_task(self._run(), name=f"group-commit-{self.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await task
         for _item, fut in self._queue:
             if not fut.done():
                 fut.set_exception(Overloaded("controller stopping; retry", retry_after=1.0))
         self._queue.clear()
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     async def submit(self, item: Item) -> Any:
         """Queue ``item`` and wait for its result (raises the item's own exception, or the batch's)."""
-        if self._task is None:  # not started (an app without its lifespan): a batch of one, here
-            results = await asyncio.to_thread(self.write, [item])
-            if self.on_done is not None:
-                self.on_done([item], results)
-            (result,) = results
-            if isinstance(result, BaseException):
-                raise result
-            return result
+        if self._task is None:  # before start or after stop: nothing would write it
+            raise Overloaded(f"controller not accepting {self.name} writes (starting or stopping); retry later",
+                             retry_after=1.0)
         if len(self._queue) >= self.max_queued:
             if self.metrics is not None:
                 self.metrics.overload.labels(self.name).inc()

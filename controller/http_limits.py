@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+from abc import abstractmethod
 from typing import Literal
 
 import h11
@@ -59,9 +60,10 @@ class _HeaderDeadline:
             timer.cancel()
             self._header_timer = None
 
+    @abstractmethod
     def _awaiting_headers(self) -> bool:
-        """True while the connection waits for (the rest of) a request line and headers, and answers none."""
-        raise NotImplementedError
+        """True while the connection waits for (the rest of) a request line and headers, and answers none
+        (each protocol class reads its own parser's state)."""
 
     def _header_timed_out(self) -> None:
         self._header_timer = None

@@ -83,6 +83,14 @@ def upload_limits(*, max_bundle_bytes: int, max_uncompressed_bytes: int, max_fil
                   max_total_bytes=max_uncompressed_bytes, max_members=max_files, max_archive_bytes=max_bundle_bytes)
 
 
+def already_registered(node_name: str) -> Conflict:
+    """What an enrollment token gets for a node that exists (it registers new nodes only)."""
+    return Conflict(
+        f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
+        f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
+        f"--node {node_name})")
+
+
 def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
                   *, now: dt.datetime | None = None, new_only: bool = False) -> Node:
     """Create the node, or update its inventory (event ``node.inventory_changed`` only when it changed).
@@ -92,10 +100,7 @@ def register_node(session: Session, node_name: str, inventory: wire.Inventory, a
     now = now or utcnow()
     node = session.scalar(select(Node).where(Node.name == node_name))
     if node is not None and new_only:
-        raise Conflict(
-            f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
-            f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
-            f"--node {node_name})")
+        raise already_registered(node_name)
     if node is None:
         node = Node(name=node_name, registered_at=now, last_heartbeat_at=now, state="active",
                     **inventory.model_dump())

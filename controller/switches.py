@@ -19,6 +19,7 @@ from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from controller.assignments import AssignmentView
+from controller.changelog import event_row
 from controller.db.models import Activation, Assignment, Bundle, Event, Node
 from controller.desired_cache import mark_desired_changed
 
@@ -151,15 +152,11 @@ def _write(session: Session, assign_updates: list[dict[str, object]], closes: li
             select(Bundle.id, Bundle.name, Bundle.version).where(Bundle.id.in_(bids)))}
         rows = []
         for it, _name, previous, new in events:
-            actor = subject = f"node:{it.node_name}"
             prev_ref = refs.get(previous) if previous is not None else None
-            if new is not None:
-                rows.append({"at": it.at, "actor": actor, "action": "assignment.activated", "subject": subject,
-                             "reason": None, "payload": {"previous": prev_ref}, "bundle": refs.get(new),
-                             "node": it.node_name, "rollout_id": None})
-            else:
-                rows.append({"at": it.at, "actor": actor, "action": "assignment.deactivated", "subject": subject,
-                             "reason": None, "payload": {}, "bundle": prev_ref, "node": it.node_name,
-                             "rollout_id": None})
+            activated = new is not None
+            rows.append(event_row(
+                at=it.at, actor=f"node:{it.node_name}", subject=f"node:{it.node_name}", node=it.node_name,
+                action="assignment.activated" if activated else "assignment.deactivated",
+                payload={"previous": prev_ref} if activated else {}, bundle=refs.get(new) if activated else prev_ref))
         conn.execute(insert(Event), rows)
     mark_desired_changed(session)

@@ -143,6 +143,13 @@ class DesiredHub:
             for ev in events:
                 ev.set()
 
+    def in_loop(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` in the hub's event loop, from any thread (dropped once the loop is closed)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn, *args)
+
     def loop_call(self, fn: Any, delay: float) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -150,10 +157,7 @@ class DesiredHub:
 
     def urgent(self) -> None:
         """A rollback was committed here: reload now, skipping the coalescing pause (thread-safe)."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._urgent_now)
+        self.in_loop(self._urgent_now)
 
     def _urgent_now(self) -> None:
         self._urgent.set()
@@ -163,10 +167,7 @@ class DesiredHub:
         """Ask for a reload (thread-safe): a commit here, a NOTIFY, or a request that is ahead of us."""
         if generation is not None and generation <= self.snapshot.generation:
             return
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._poke.set)
+        self.in_loop(self._poke.set)
 
     # ------------------------------------------------------------------------------- reloads
     async def _reload_loop(self) -> None:
@@ -262,10 +263,7 @@ class DesiredHub:
                 snap.nodes[name] = new_node_view(node_id, name, inventory, snap)
                 self.node_gen.setdefault(name, snap.generation)
 
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(add)
+        self.in_loop(add)
 
     # ------------------------------------------------------------------------------- group commits
     @GROUP_RETRY
@@ -298,10 +296,7 @@ class DesiredHub:
         """Report ingestion verified the node's canary of these rollouts (trial before serve): its desired
         state now serves the candidate. Patched into the snapshot at once (the node's watch answers without
         a reload); thread-safe."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._verified, node_name, rollout_ids, generation)
+        self.in_loop(self._verified, node_name, rollout_ids, generation)
 
     def _verified(self, node_name: str, rollout_ids: list[int], generation: int | None) -> None:
         node = self.snapshot.nodes.get(node_name)

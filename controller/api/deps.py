@@ -161,7 +161,11 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 def bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+    return parse_bearer(request.headers.get("authorization"))
+
+
+def parse_bearer(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None when absent; AuthError when malformed)."""
     if not header:
         return None
     scheme, _, value = header.partition(" ")

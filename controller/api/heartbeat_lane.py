@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.api.deps import AppState
+from controller.api.deps import AppState, parse_bearer
 from controller.auth import AuthError
 from controller.errors import Overloaded
 from controller.watch import slow_heartbeat
@@ -48,7 +47,7 @@ async def answer(state: AppState, req: wire.HeartbeatRequest) -> tuple[int, byte
                                                     slow_path=lambda r: slow_heartbeat(state.factory, r, hb))
     except Overloaded as exc:
         return 503, json.dumps({"detail": str(exc)}).encode(), [
-            (b"retry-after", str(max(1, math.ceil(exc.retry_after))).encode())]
+            (b"retry-after", exc.retry_after_header.encode())]
     state.metrics.heartbeat_service.labels(path).observe(max(0.0, time.perf_counter() - started - held))
     return 200, reply.model_dump_json().encode(), []
 
@@ -119,14 +118,9 @@ async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[byt
 
 def _common_case(state: AppState, scope: Scope, body: bytes) -> wire.HeartbeatRequest | None:
     """The request when it is the lane's case (cached token of this very node, valid body), else None."""
-    token = None
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, rest = value.decode("latin-1").partition(" ")
-            token = rest.strip() if scheme.lower() == "bearer" else None
-            break
+    header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
     try:
-        principal = state.cached_principal(token)
+        principal = state.cached_principal(parse_bearer(header))
         req = wire.HeartbeatRequest.model_validate_json(body) if principal is not None else None
     except (AuthError, ValidationError, ValueError):
         return None

@@ -15,7 +15,6 @@ change something, report batches) wait at most ``max_pending_writes`` at once pe
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -83,7 +82,7 @@ def _register_one(state: AppState, item: Registration) -> Registered:
 
 def _overloaded(exc: Overloaded) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=503,
-                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+                        headers={"Retry-After": exc.retry_after_header})
 
 
 @router.post("/heartbeat", response_model=wire.HeartbeatResponse)

@@ -22,6 +22,7 @@ counts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from urllib.parse import urlsplit
 
 import h11
@@ -114,11 +115,9 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         if self.waiter is not None:
-            try:
+            with contextlib.suppress(h11.RemoteProtocolError):  # a response cut short: failed just below
                 self.h11.receive_data(b"")
                 self._pump()  # completes a response delimited by the close
-            except h11.RemoteProtocolError:
-                pass
             if self.waiter is not None:
                 self._fail(self._closed_error())
         self.dead = True

@@ -137,3 +137,13 @@ class Kit:
             idempotency_key=key or f"{node.name}:{rollout_id}:{next(self._keys):06d}", rollout_id=rollout_id,
             stratum=node_stratum(node), candidate=candidate, stable=stable, outcome=outcome, measured_at=at,
             latency=lat, **kw)
+
+
+def generation_kit(url: str, tmp: Path) -> Iterator[Kit]:
+    """A :class:`Kit` whose sessions bump the desired-state generation (``controller.desired_cache``), closed after."""
+    from controller.desired_cache import install_generation_hooks
+
+    k = Kit(url, tmp)
+    install_generation_hooks(k.factory)
+    yield k
+    k.close()

@@ -21,20 +21,17 @@ from agents.client import ControllerClient
 from controller import registry
 from controller.assignments import desired_state
 from controller.db.models import Node
-from controller.desired_cache import install_generation_hooks, load_snapshot, read_generation
+from controller.desired_cache import load_snapshot, read_generation
 from controller.ingest import ingest_reports
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit
+from tests.controller.enginekit import T0, Kit, generation_kit
 from tests.controller.serverutil import ControllerProcess, build_test_bundles, inventory, register_node
 from tests.controller.test_serve_phase import _stable_and_candidate
 
 
 @pytest.fixture
 def kit(db_url, tmp_path):
-    k = Kit(db_url, tmp_path)
-    install_generation_hooks(k.factory)
-    yield k
-    k.close()
+    yield from generation_kit(db_url, tmp_path)
 
 
 def _gen(kit: Kit) -> int:

@@ -18,13 +18,14 @@ from sqlalchemy import select
 from controller import registry
 from controller.auth import Principal, authenticate, issue_node_token
 from controller.db.models import Activation, ApiToken, Assignment, Event, Node
-from controller.desired_cache import install_generation_hooks, load_snapshot, read_generation
+from controller.desired_cache import load_snapshot
 from controller.enrollment import Registered, Registration, register_many
 from controller.errors import Conflict
 from controller.switches import FULL, Switch, Switched, record_switches
 from controller.watch import DesiredHub
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit, inventory
+from tests.controller.enginekit import T0, Kit, generation_kit, inventory
+from tests.controller.test_fleet_watch import _gen
 from tests.controller.test_serve_phase import _send, _stable_and_candidate
 
 ENROLL = Principal(token_id=1, name="enroll", role="agent")
@@ -32,10 +33,7 @@ ENROLL = Principal(token_id=1, name="enroll", role="agent")
 
 @pytest.fixture
 def kit(db_url, tmp_path):
-    k = Kit(db_url, tmp_path)
-    install_generation_hooks(k.factory)
-    yield k
-    k.close()
+    yield from generation_kit(db_url, tmp_path)
 
 
 def _events(kit: Kit, node: str) -> list[tuple[str, str | None, dict]]:
@@ -95,11 +93,6 @@ def test_register_many_refuses_items_one_by_one(kit: Kit) -> None:
         with pytest.raises(Exception, match="revoked"):
             authenticate(s, node_token)
         assert sorted(s.scalars(select(Node.name))) == ["new-0", "new-1", "old-000"]
-
-
-def _gen(kit: Kit) -> int:
-    with kit.tx() as s:
-        return read_generation(s)
 
 
 def _ids(kit: Kit, node: str, active: list[wire.BundleRef]) -> tuple[int, dict[str, int | None]]:

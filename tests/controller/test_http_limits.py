@@ -17,6 +17,7 @@ import pytest
 
 from tests import dbutil
 from tests.controller.serverutil import ControllerProcess, register_node
+from tests.controller.test_redteam import _read_until_closed
 
 HEADER_TIMEOUT = 2.0
 KEEPALIVE = 1.0
@@ -35,23 +36,6 @@ def ctl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def _raw(ctl: ControllerProcess) -> socket.socket:
     assert ctl.port is not None
     return socket.create_connection(("127.0.0.1", ctl.port), timeout=10)
-
-
-def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, float]:
-    start = time.monotonic()
-    sock.settimeout(limit)
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            raise AssertionError(f"connection still open after {limit}s (got {data!r})") from None
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data, time.monotonic() - start
 
 
 def _responses(data: bytes) -> list[int]:
