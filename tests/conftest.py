@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
-from tests import dbutil
+from tests import dbutil, provision, reaper
 
 # Kernels run through Triton's interpreter when there is no GPU; it must be set before triton is imported.
 try:
@@ -22,12 +25,39 @@ except ImportError:  # pragma: no cover
     pass
 
 
-@pytest.fixture(autouse=True)
-def _postgres_outage_guard(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The PostgreSQL restart test takes the shared server down for a moment: it runs alone (exclusive lock)
-    while every other test, on any xdist worker, holds a shared one."""
-    with dbutil.outage_lock(request.node.get_closest_marker("restarts_postgres") is not None):
-        yield
+def _runs_tests(config: pytest.Config) -> bool:
+    """This process runs tests: an xdist worker, or a run without workers (``-n 0``)."""
+    return hasattr(config, "workerinput") or not config.pluginmanager.has_plugin("dsession")
+
+
+_SESSION_PG: provision.PgCluster | None = None
+
+
+def _postgres_answers(url: str) -> bool:
+    try:
+        psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(hide_password=False),
+                        connect_timeout=5).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before any test (and, under xdist, before the workers start: they inherit the environment): when nothing
+    answers at the default PostgreSQL URL and ``KERNELCTL_TEST_PG_URL`` names no other, the suite starts a cluster
+    of its own for the session (tests/provision.py) rather than a server it does not own. Processes that run tests
+    become subreapers of their orphans (tests/reaper.py)."""
+    global _SESSION_PG
+    config = session.config
+    if _runs_tests(config):
+        reaper.become_subreaper()
+    if hasattr(config, "workerinput") or "KERNELCTL_TEST_PG_URL" in os.environ:
+        return
+    if not _postgres_answers(dbutil.PG_ADMIN_URL):
+        _SESSION_PG = provision.PgCluster("session").start()
+        os.environ["KERNELCTL_TEST_PG_URL"] = dbutil.PG_ADMIN_URL = _SESSION_PG.url
+        sys.stderr.write(f"PostgreSQL does not answer at 127.0.0.1:5432: the tests run on a cluster of their own "
+                         f"at {_SESSION_PG.url} (removed at the end)\n")
 
 
 @pytest.fixture(params=[pytest.param("sqlite"), pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -101,6 +131,14 @@ def _record_durations(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _SESSION_PG
     _record_durations(session)
     with contextlib.suppress(Exception):  # best-effort cleanup of the migrated template database
         dbutil.drop_templates()
+    if _runs_tests(session.config):  # every fixture has been finalized: whatever still runs was left behind
+        left = reaper.stop_children()
+        if left:
+            sys.stderr.write(f"stopped {len(left)} process(es) that tests left running: pids {left}\n")
+    if _SESSION_PG is not None:
+        _SESSION_PG.stop()
+        _SESSION_PG = None

@@ -7,9 +7,7 @@ test starts at the Alembic head in milliseconds.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,21 +91,3 @@ def fresh_database(backend: str, tmp_path: Path, *, migrated: bool = True) -> It
         with pg_admin() as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
-
-@contextmanager
-def outage_lock(exclusive: bool) -> Iterator[None]:
-    """Coordinate with the one test that restarts the shared PostgreSQL server (pytest-xdist workers run side by
-    side): every test holds a shared lock, the restart test an exclusive one. A turnstile lock taken first keeps
-    the exclusive taker from being starved by the other workers' back-to-back shared holds."""
-    base = Path(tempfile.gettempdir()) / f"kernelctl-tests-pg-{make_url(PG_ADMIN_URL).port or 5432}"
-    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.lock", "a+") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if not exclusive:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            if exclusive:
-                fcntl.flock(turnstile, fcntl.LOCK_UN)

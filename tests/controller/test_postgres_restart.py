@@ -1,40 +1,64 @@
 """PostgreSQL restarted mid-rollout: the controller recovers with no operator action.
 
-A REAL ``kernelctl serve`` runs a rollout on the shared local PostgreSQL; the server is restarted with
-``pg_ctlcluster`` while agents keep calling. Requests that need the database fail during the outage (503,
+A REAL ``kernelctl serve`` runs a rollout on a PostgreSQL cluster of this test's own (initdb + pg_ctl on a free
+port and a temporary data directory, tests/provision.py); that server is restarted with ``pg_ctl restart`` while
+agents keep calling. Requests that need the database fail during the outage (503,
 never a crash or a hang; heartbeats that change nothing may be answered from the replica's snapshot),
 then succeed again on fresh pooled connections; the leader re-takes its advisory lock, the tick resumes and
 the rollout is promoted; no acknowledged report is lost.
 
-CAUTION: this restarts the PostgreSQL server every database test shares (about a second of outage). It is
-marked ``slow`` so CI can run it alone (``-m slow``), never in parallel with other database tests.
+The server every other test shares (127.0.0.1:5432, or ``KERNELCTL_TEST_PG_URL``) is never touched: this test
+connects only to its own cluster, so it runs side by side with the rest of the suite.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import shutil
-import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
 
 from tests import dbutil
 from tests.controller.serverutil import ControllerProcess, build_test_bundles, inventory
+from tests.provision import PgCluster
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
-def _cluster() -> tuple[str, str]:
-    versions = sorted(p.name for p in Path("/etc/postgresql").iterdir()) if Path("/etc/postgresql").is_dir() else []
-    assert versions and shutil.which("pg_ctlcluster"), \
-        "this test restarts the local PostgreSQL with pg_ctlcluster: it needs /etc/postgresql/<version>/main"
-    return versions[-1], "main"
+@pytest.fixture
+def own_cluster() -> Iterator[PgCluster]:
+    """A PostgreSQL server started for this test alone (stopped and removed afterwards)."""
+    with PgCluster("restart-test") as cluster:
+        yield cluster
+
+
+def _database(cluster: PgCluster) -> str:
+    """A database migrated to head on ``cluster``: its URL."""
+    from controller.db import migrate
+    from controller.db.engine import make_engine
+
+    url = make_url(cluster.url).set(database="kctl_restart").render_as_string(hide_password=False)
+    with psycopg.connect(f"host=127.0.0.1 port={cluster.port} user=postgres dbname=postgres", autocommit=True) as c:
+        c.execute("CREATE DATABASE kctl_restart")
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    engine.dispose()
+    return url
+
+
+def _started_at(url: str) -> object:
+    """When the server behind ``url`` started (changes when it restarts)."""
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, connect_timeout=10) as conn:
+        return conn.execute("SELECT pg_postmaster_start_time()").fetchone()
 
 
 def _report(trial: dict, node: str) -> dict:
@@ -83,12 +107,12 @@ def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
         time.sleep(0.2)
 
 
-@pytest.mark.restarts_postgres
-def test_controller_recovers_from_postgres_restart_mid_rollout(tmp_path: Path) -> None:
-    version, cluster = _cluster()
+def test_controller_recovers_from_postgres_restart_mid_rollout(tmp_path: Path, own_cluster: PgCluster) -> None:
+    shared = make_url(dbutil.PG_ADMIN_URL)
+    assert (shared.host, shared.port or 5432) != ("127.0.0.1", own_cluster.port)
     bundles = build_test_bundles(tmp_path / "bundles", versions=("1.0.0",))
-    with dbutil.fresh_database("postgres", tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=0.5) as ctl:
+    url = _database(own_cluster)
+    with ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=0.5) as ctl:
         ctl.wait_ready(leader=True)
         op = ctl.client("operator")
         r = op.post("/v1/bundles", content=bundles.files["1.0.0"].read_bytes())
@@ -132,8 +156,9 @@ def test_controller_recovers_from_postgres_restart_mid_rollout(tmp_path: Path) -
         t = threading.Thread(target=hammer, daemon=True)
         t.start()
         time.sleep(0.3)
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart", "-m", "fast"],
-                       check=True, timeout=60)
+        shared_started, own_started = _started_at(dbutil.PG_ADMIN_URL), _started_at(url)
+        own_cluster.restart("fast")  # this test's server only
+        assert _started_at(dbutil.PG_ADMIN_URL) == shared_started, "the shared PostgreSQL server was restarted"
         _wait(lambda: outcomes and outcomes[-1] == 200, 30, "heartbeats to succeed again after the restart")
         stop.set()
         t.join(10)
@@ -152,6 +177,7 @@ def test_controller_recovers_from_postgres_restart_mid_rollout(tmp_path: Path) -
             return status()["state"] == "promoted"
 
         _wait(promoted, 60, "the rollout to be promoted after the restart")
+        assert _started_at(url) != own_started, "the test's own server was not restarted"
         assert "database error" in ctl.log_text()  # the outage was seen and logged, not hidden
 
         # nothing acknowledged was lost

@@ -13,7 +13,6 @@ import datetime as dt
 import math
 import os
 import random
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from tests import provision
 from tests.controller.serverutil import ControllerProcess, inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -128,25 +128,13 @@ class SimFleet:
 
 
 # ------------------------------------------------------------------------------------------ browser
-class BrowserMissing(RuntimeError):
-    """chromium or chromedriver is not installed (``.ci/run`` installs Debian's packages)."""
-
-
-def chromium_paths() -> tuple[str, str]:
-    browser = os.environ.get("KERNELCTL_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = os.environ.get("KERNELCTL_TEST_CHROMEDRIVER") or shutil.which("chromedriver")
-    if not browser or not driver:
-        raise BrowserMissing("the browser tests need Debian's chromium and chromium-driver "
-                             "(`apt-get install -y chromium chromium-driver`; .ci/run installs them)")
-    return browser, driver
-
-
 def start_chromium(download_dir: Path | None = None):  # type: ignore[no-untyped-def]
-    """A headless chromium WebDriver session (selenium, through the system chromedriver: nothing downloaded)."""
+    """A headless chromium WebDriver session (selenium, through Debian's chromedriver: installed with apt-get when
+    missing, tests/provision.py; selenium downloads nothing)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    browser, driver = chromium_paths()
+    browser, driver = provision.chromium()
     opts = webdriver.ChromeOptions()
     opts.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",

@@ -1,0 +1,91 @@
+"""No test leaves a process behind, even when it is cut short (pytest-timeout, a crash of the code under test).
+
+Tests start real processes (controllers, agents, the demo, PostgreSQL clusters) in sessions of their own, so a
+process that dies without stopping its children orphans them. Every pytest process that runs tests becomes a
+*child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``): orphans of its descendants are re-parented to it instead of
+to init, and :func:`stop_children` (called when the session ends, after every fixture's finalizer) stops every
+child still running, by process group. A test that must stop its processes sooner (the demo) calls
+:func:`stop_processes` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the subreaper of its descendants (Linux); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def children(pid: int | None = None) -> set[int]:
+    """Live (not zombie) child processes of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    found: set[int] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(stat.parent.name))
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``'s process group when it leads one of its own (its children go with it), else to it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        pgid = os.getpgid(pid)
+        if pgid == pid and pgid != os.getpgrp():
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _reap(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_processes(pids: Iterable[int], grace: float = 10.0) -> list[int]:
+    """SIGTERM each process (its group when it leads one), SIGKILL what is left after ``grace`` seconds; reaps
+    those that are this process's children. Returns the pids that were still running."""
+    pids = sorted(p for p in set(pids) if _alive(p))
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap(pids)
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    for pid in pids:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    time.sleep(0.1)
+    _reap(pids)
+    return pids
+
+
+def stop_children(grace: float = 10.0) -> list[int]:
+    """Stop every child process still running (the subreaper's adopted orphans included)."""
+    return stop_processes(children(), grace)
