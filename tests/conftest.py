@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests import dbutil, provision, reaper
+from tests import dbutil, provision
 
 # Kernels run through Triton's interpreter when there is no GPU; it must be set before triton is imported.
 try:
@@ -25,10 +25,7 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def _runs_tests(config: pytest.Config) -> bool:
-    """This process runs tests: an xdist worker, or a run without workers (``-n 0``)."""
-    return hasattr(config, "workerinput") or not config.pluginmanager.has_plugin("dsession")
-
+pytest_plugins = ["tests.reaper"]  # no test leaves a process behind
 
 _SESSION_PG: provision.PgCluster | None = None
 
@@ -45,12 +42,9 @@ def _postgres_answers(url: str) -> bool:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Before any test (and, under xdist, before the workers start: they inherit the environment): when nothing
     answers at the default PostgreSQL URL and ``KERNELCTL_TEST_PG_URL`` names no other, the suite starts a cluster
-    of its own for the session (tests/provision.py) rather than a server it does not own. Processes that run tests
-    become subreapers of their orphans (tests/reaper.py)."""
+    of its own for the session (tests/provision.py) rather than a server it does not own."""
     global _SESSION_PG
     config = session.config
-    if _runs_tests(config):
-        reaper.become_subreaper()
     if hasattr(config, "workerinput") or "KERNELCTL_TEST_PG_URL" in os.environ:
         return
     if not _postgres_answers(dbutil.PG_ADMIN_URL):
@@ -135,10 +129,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _record_durations(session)
     with contextlib.suppress(Exception):  # best-effort cleanup of the migrated template database
         dbutil.drop_templates()
-    if _runs_tests(session.config):  # every fixture has been finalized: whatever still runs was left behind
-        left = reaper.stop_children()
-        if left:
-            sys.stderr.write(f"stopped {len(left)} process(es) that tests left running: pids {left}\n")
     if _SESSION_PG is not None:
         _SESSION_PG.stop()
         _SESSION_PG = None

@@ -5,7 +5,7 @@ process that dies without stopping its children orphans them. Every pytest proce
 *child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``): orphans of its descendants are re-parented to it instead of
 to init, and :func:`stop_children` (called when the session ends, after every fixture's finalizer) stops every
 child still running, by process group. A test that must stop its processes sooner (the demo) calls
-:func:`stop_processes` itself.
+:func:`stop_processes` itself. A pytest plugin (tests/conftest.py loads it).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -86,6 +89,30 @@ def stop_processes(pids: Iterable[int], grace: float = 10.0) -> list[int]:
     return pids
 
 
-def stop_children(grace: float = 10.0) -> list[int]:
-    """Stop every child process still running (the subreaper's adopted orphans included)."""
-    return stop_processes(children(), grace)
+def stop_children(grace: float = 10.0, rounds: int = 5) -> list[int]:
+    """Stop every child process still running, and the orphans that stopping them re-parents here."""
+    stopped: list[int] = []
+    for _ in range(rounds):
+        left = children()
+        if not left:
+            break
+        stopped += stop_processes(left, grace)
+    return stopped
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if runs_tests(session.config):
+        become_subreaper()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every fixture has been finalized: whatever still runs was left behind."""
+    if runs_tests(session.config):
+        left = stop_children()
+        if left:
+            sys.stderr.write(f"stopped {len(left)} process(es) that tests left running: pids {left}\n")
+
+
+def runs_tests(config: pytest.Config) -> bool:
+    """This process runs tests: an xdist worker, or a run without workers (``-n 0``)."""
+    return hasattr(config, "workerinput") or not config.pluginmanager.has_plugin("dsession")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from controller.db.engine import make_engine, session_factory
 from controller.db.models import Assignment, Bundle, Event, Node, Report, Rollout, StableVersion, Verdict
@@ -69,6 +69,12 @@ class Fleet:
         self.outbox: list[tuple[str, list[dict]]] = []  # (node, reports) not yet acknowledged
         self.acked: dict[str, list[dict]] = {}  # idempotency key -> report, acknowledged
         self.accepted_total = 0
+        self.accepted: Counter[str] = Counter()  # idempotency key -> answers that counted it as accepted
+        self.sent: set[str] = set()  # every key posted at least once
+        # keys whose post got no answer (timeout, refused connection, 5xx): the controller may have stored such a
+        # report and died (or the client gave up) before answering; its re-send is then a duplicate, or refused
+        # when the rollout has moved on, so it is stored without ever being counted as accepted
+        self.unanswered: set[str] = set()
         self.seq = Counter()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -90,12 +96,18 @@ class Fleet:
     def flush(self) -> None:
         pending, self.outbox = self.outbox, []
         for i, (node, reports) in enumerate(pending):
+            keys = [rep["idempotency_key"] for rep in reports]
+            self.sent.update(keys)
             r = self.post("/v1/agents/reports", node, {"node_name": node, "reports": reports})
             if r is None or r.status_code >= 500:
+                self.unanswered.update(keys)
                 self.outbox.extend(pending[i:])  # controller down: keep them, in order
                 return
             assert r.status_code == 200, r.text
             self.accepted_total += r.json()["accepted"]
+            if r.json()["accepted"]:  # one report per batch: the answer says which key counted
+                assert len(keys) == 1, keys
+                self.accepted[keys[0]] += 1
             refused = r.json().get("refused", {})  # late reports (stratum moved on, rollout over) do not count
             for rep in reports:
                 if rep["idempotency_key"] not in refused:
@@ -165,7 +177,8 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(db: str, bundles
                     break
                 time.sleep(0.3)
         fleet.stop.set()
-        fleet.thread.join(10)
+        fleet.thread.join(120)  # its last round must end before this thread flushes the same outbox
+        assert not fleet.thread.is_alive(), "the simulated fleet did not stop"
         fleet.flush()
     finally:
         fleet.stop.set()
@@ -207,7 +220,14 @@ def _check_changelog(db: str, fleet: Fleet, seed: int) -> None:
             keys = Counter(s.scalars(select(Report.idempotency_key)))
             assert all(n == 1 for n in keys.values())
             assert set(fleet.acked) <= set(keys), f"{where} lost {len(set(fleet.acked) - set(keys))} reports"
-            assert s.scalar(select(func.count()).select_from(Report)) == fleet.accepted_total, where
+            assert set(keys) <= fleet.sent, f"{where} stored reports nobody sent: {set(keys) - fleet.sent}"
+            # a report counts as accepted at most once, and only reports the controller stored are counted
+            assert all(n == 1 for n in fleet.accepted.values()), f"{where} accepted twice: {fleet.accepted}"
+            assert set(fleet.accepted) <= set(keys) and fleet.accepted_total == len(fleet.accepted), where
+            # every stored report was counted as accepted, or its answer was lost (stored, then the kill or the
+            # client's timeout came before the answer: its re-send found it already stored)
+            uncounted = set(keys) - set(fleet.accepted)
+            assert uncounted <= fleet.unanswered, f"{where} stored, never counted, always answered: {uncounted}"
             # the end state: 1.0.0 is stable in both strata and desired on every node
             bid = s.scalar(select(Bundle.id).where(Bundle.version == "1.0.0"))
             stable = dict(s.execute(select(StableVersion.stratum, StableVersion.bundle_id)).all())

@@ -6,10 +6,12 @@ interpreter, SQLite); the test reads the demo's JSON summary and then the change
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +19,47 @@ from sqlalchemy import select
 
 from controller.db.engine import make_engine, session_factory
 from controller.db.models import Bundle, Event
+from tests import reaper
 from tests.controller.webhook import WebhookReceiver
 
-pytestmark = pytest.mark.slow
+# The demo decides on evidence and has no wall-clock limit of its own; on a machine that other work keeps busy it
+# took up to 11 minutes (issue 27). The test's limit is this one figure: the demo is stopped (SIGTERM: it stops its
+# controller and agents) before pytest's own timeout for this test, which leaves room for that.
+DEMO_LIMIT_S = 1800
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_LIMIT_S + 120)]
+
+
+@contextlib.contextmanager
+def running_demo(args: list[str], keep: Path) -> Iterator[subprocess.Popen[str]]:
+    """The demo as a child process, always stopped with everything it started, however the test ends (a failed
+    assertion, pytest-timeout): SIGTERM to the demo, then any process still running that it started."""
+    before = reaper.children()
+    proc = subprocess.Popen([sys.executable, "-m", "cli.app", "demo", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "160"},
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            reaper.stop_processes([proc.pid], grace=60)  # its own SIGTERM handler stops its fleet first
+        # orphans re-parented to this (subreaper) process, and anything else running from the demo's directory
+        left = reaper.children() - before - {proc.pid}
+        found = subprocess.run(["pgrep", "-f", str(keep)], capture_output=True, text=True, check=False).stdout
+        reaper.stop_processes(left | {int(p) for p in found.split()})
 
 
 def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) -> None:
     keep = tmp_path / "demo"
-    env = {**os.environ, "COLUMNS": "160"}
-    with WebhookReceiver() as hook:  # a real local webhook: the demo forwards it to its controller
-        proc = subprocess.run([sys.executable, "-m", "cli.app", "demo", "--json", "--keep", str(keep),
-                               "--notify-url", hook.url + "?token=demo-secret"],
-                              capture_output=True, text=True, env=env, timeout=1500)
-    summary = json.loads(proc.stdout)
-    assert proc.returncode == 0, (summary.get("error"), proc.stderr[-2000:])
+    with WebhookReceiver() as hook, running_demo(  # a real local webhook: the demo forwards it to its controller
+            ["--json", "--keep", str(keep), "--notify-url", hook.url + "?token=demo-secret"], keep) as proc:
+        try:
+            out, err = proc.communicate(timeout=DEMO_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"the demo did not finish in {DEMO_LIMIT_S}s; its progress:\n{err[-3000:]}")
+    summary = json.loads(out)
+    assert proc.returncode == 0, (summary.get("error"), err[-3000:])
     assert summary["ok"] is True
     states = {r["bundle"]: r["state"] for r in summary["rollouts"]}
     assert states == {"llm-fused@1.0.0": "promoted", "llm-fused@1.1.0": "promoted",
