@@ -8,6 +8,7 @@ are built, signed, pushed over HTTP and verified by every agent before anything 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import secrets
 import time
@@ -30,6 +31,17 @@ class NodeSpec:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StratumEvidence:
+    """What one stratum's canaries sent for a rollout so far: the trial reports in the changelog."""
+
+    reports: int = 0  # trial reports received
+    ok: int = 0  # of which clean (outcome ok): the judge's samples
+    last_received: dt.datetime | None = None  # when the controller received the latest one (UTC)
+    slowest_trial_s: float = 0.0  # the longest trial among them (the report's duration)
+    trial_s: list[float] = field(default_factory=list)  # every trial's duration, in arrival order
 
 
 class FleetError(RuntimeError):
@@ -56,6 +68,7 @@ class LocalFleet:
         self.tokens = {role: f"kctl_{role}_{secrets.token_urlsafe(24)}" for role in ("operator", "viewer", "agent")}
         self.url = ""
         self._client: OperatorClient | None = None
+        self._read_engine: Any = None
         self.controller: ServeProcess | None = None
 
     # ------------------------------------------------------------------------------------ preparation
@@ -66,6 +79,36 @@ class LocalFleet:
         engine = make_engine(self.db_url)
         migrate.upgrade(engine)
         engine.dispose()
+
+    def _reader(self) -> Any:
+        """A read-only engine on the changelog (opened once, closed by :meth:`stop`)."""
+        if self._read_engine is None:
+            from controller.db.engine import make_engine
+
+            self._read_engine = make_engine(self.db_url, read_only=True)
+        return self._read_engine
+
+    def evidence(self, rollout_id: int) -> dict[str, StratumEvidence]:
+        """The trial reports of ``rollout_id`` so far, per stratum (read from the changelog)."""
+        from sqlalchemy import select
+
+        from controller.db.engine import session_factory
+        from controller.db.models import Report
+
+        out: dict[str, StratumEvidence] = {}
+        with session_factory(self._reader())() as session:
+            rows = session.execute(select(Report.stratum, Report.outcome, Report.received_at, Report.detail)
+                                   .where(Report.rollout_id == rollout_id).order_by(Report.id)).all()
+        for stratum, outcome, received, detail in rows:
+            e = out.setdefault(stratum, StratumEvidence())
+            e.reports += 1
+            e.ok += outcome == "ok"
+            received = received if received.tzinfo else received.replace(tzinfo=dt.timezone.utc)
+            e.last_received = max(e.last_received or received, received)
+            seconds = float((detail or {}).get("duration_s") or 0.0)
+            e.trial_s.append(seconds)
+            e.slowest_trial_s = max(e.slowest_trial_s, seconds)
+        return out
 
     def notification_counts(self) -> dict[str, int]:
         """How many webhook deliveries the controller recorded in the changelog, by outcome."""
@@ -145,6 +188,9 @@ class LocalFleet:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._read_engine is not None:
+            self._read_engine.dispose()
+            self._read_engine = None
         self.procs.stop_all()
 
     # ------------------------------------------------------------------------------------------- HTTP
@@ -171,11 +217,16 @@ class LocalFleet:
             nodes = [n for n in self.api("GET", "/v1/nodes") if n.get("state") == "active"]
             if len(nodes) >= count:
                 return nodes
-            dead = [n for n, up in self.procs.alive().items() if not up]
-            if dead:
-                raise FleetError(f"{dead[0]} exited:\n{self.procs.log_tail(dead[0])}")
+            self.check_alive()
             time.sleep(0.5)
         raise FleetError(f"only {len(nodes)} of {count} agents registered within {timeout:.0f}s")
+
+    def check_alive(self) -> None:
+        """FleetError (with its log tail) when the controller or an agent has exited."""
+        dead = [n for n, up in self.procs.alive().items() if not up]
+        if dead:
+            raise FleetError(f"{dead[0]} exited (log {self.procs.log_dir / dead[0]}.log):\n"
+                             f"{self.procs.log_tail(dead[0])}")
 
     def start_rollout(self, ref: str, plan: dict[str, Any], reason: str) -> dict[str, Any]:
         return self.api("POST", "/v1/rollouts", json={"bundle": ref, "plan": plan, "reason": reason})
@@ -191,11 +242,8 @@ class LocalFleet:
         def update(detail: dict[str, Any]) -> None:
             if on_update:
                 on_update(detail)
-            if detail["state"] in TERMINAL_STATES:
-                return
-            dead = [n for n, up in self.procs.alive().items() if not up]
-            if dead:
-                raise FleetError(f"{dead[0]} exited during the rollout:\n{self.procs.log_tail(dead[0])}")
+            if detail["state"] not in TERMINAL_STATES:
+                self.check_alive()
 
         try:
             return self.client.wait_rollout(rollout_id, timeout=timeout, poll=poll, on_update=update)
