@@ -110,7 +110,8 @@ class Settings(BaseSettings):
     runtime_dir: Path | None = Field(
         None, description="Where the agent publishes active versions for kernelpack.runtime."
     )
-    profile: Path | None = Field(None, description="Traffic profile file (batch sizes) for trials.")
+    profile: Path | None = Field(None, description="Traffic profile file (batch sizes, traffic weights, numerics "
+                                 "and e2e options) for trials; fields in `docs/judge.md`.")
     inventory_overrides: Path | None = Field(
         None, description="JSON file overriding inventory fields (pose as another GPU in tests/demos)."
     )
