@@ -437,7 +437,7 @@ def _print_summary(tables: list[Any], outcomes: list[Outcome], fleet: LocalFleet
                       f"{notifications['delivered']} delivered, {notifications['failed']} failed")
     if keep or db:
         console.print(f"query the changelog again: [bold]kernelctl audit --db {fleet.db_url}[/]", soft_wrap=True)
-    if keep and not db:  # docs/demo.md: reopen a kept demo
+    if keep and not db:  # README, "Reopening a kept demo"
         console.print(f"see it again in a browser: [bold]KERNELCTL_DATABASE_URL={fleet.db_url} kernelctl serve "
                       f"--trusted-keys {fleet.trusted_dir}[/], then /ui/ with a token from "
                       f"{fleet.workdir / 'bootstrap-tokens'} (its tokens are in the database)", soft_wrap=True)
