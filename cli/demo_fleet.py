@@ -15,11 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernelctl.opclient import OperatorClient, OperatorError
 from kernelctl.procs import ProcessGroup, ServeError, ServeProcess, kernelctl_args, serve_env
 from kernelctl.vocab import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 BUNDLES_DIR = Path(__file__).resolve().parents[1] / "kernelpack" / "bundles"
 
@@ -40,8 +43,11 @@ class StratumEvidence:
     reports: int = 0  # trial reports received
     ok: int = 0  # of which clean (outcome ok): the judge's samples
     last_received: dt.datetime | None = None  # when the controller received the latest one (UTC)
-    slowest_trial_s: float = 0.0  # the longest trial among them (the report's duration)
-    trial_s: list[float] = field(default_factory=list)  # every trial's duration, in arrival order
+    trial_s: list[float] = field(default_factory=list)  # every trial's duration (the report's), in arrival order
+
+    @property
+    def slowest_trial_s(self) -> float:
+        return max(self.trial_s, default=0.0)
 
 
 class FleetError(RuntimeError):
@@ -68,7 +74,7 @@ class LocalFleet:
         self.tokens = {role: f"kctl_{role}_{secrets.token_urlsafe(24)}" for role in ("operator", "viewer", "agent")}
         self.url = ""
         self._client: OperatorClient | None = None
-        self._read_engine: Any = None
+        self._read_engine: Engine | None = None
         self.controller: ServeProcess | None = None
 
     # ------------------------------------------------------------------------------------ preparation
@@ -80,7 +86,7 @@ class LocalFleet:
         migrate.upgrade(engine)
         engine.dispose()
 
-    def _reader(self) -> Any:
+    def _reader(self) -> Engine:
         """A read-only engine on the changelog (opened once, closed by :meth:`stop`)."""
         if self._read_engine is None:
             from controller.db.engine import make_engine
@@ -105,9 +111,7 @@ class LocalFleet:
             e.ok += outcome == "ok"
             received = received if received.tzinfo else received.replace(tzinfo=dt.timezone.utc)
             e.last_received = max(e.last_received or received, received)
-            seconds = float((detail or {}).get("duration_s") or 0.0)
-            e.trial_s.append(seconds)
-            e.slowest_trial_s = max(e.slowest_trial_s, seconds)
+            e.trial_s.append(float((detail or {}).get("duration_s") or 0.0))
         return out
 
     def notification_counts(self) -> dict[str, int]:

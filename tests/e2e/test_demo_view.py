@@ -32,7 +32,7 @@ def stratum(name: str, state: str = "progressing", step: int = 0, reason: str | 
 
 def evidence(ok: int, seconds_ago: float, slowest: float) -> StratumEvidence:
     return StratumEvidence(reports=ok, ok=ok, last_received=NOW - dt.timedelta(seconds=seconds_ago),
-                           slowest_trial_s=slowest, trial_s=[slowest] * ok)
+                           trial_s=[slowest / 2, slowest] * (ok // 2) + [slowest] * (ok % 2))
 
 
 def check(watch: Watch, d: dict[str, Any], ev: dict[str, StratumEvidence]) -> str | None:
