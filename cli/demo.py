@@ -227,10 +227,10 @@ def _run_rollout(fleet: LocalFleet, view: View, plans: list[Outcome], outcome: O
         outcome.reason = "promoted fully by the operator (first version: no baseline to judge against)"
     elif detail.get("reason"):
         outcome.reason = detail["reason"]
-    if detail["state"] == ROLLED_BACK:  # every canary switches back to its staged stable version
+    if detail["state"] == ROLLED_BACK:  # every canary switches back to its staged stable version (a heartbeat)
         version = outcome.ref.split("@", 1)[1]
         t = time.monotonic()
-        while time.monotonic() - t < 30:
+        while time.monotonic() - t < watch.quiet_limit():
             nodes = fleet.api("GET", "/v1/nodes")
             if not any(version in (n.get("active") or {}).values() for n in nodes):
                 outcome.back_to_stable_seconds = round(time.monotonic() - t, 1)
