@@ -105,6 +105,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         become_subreaper()
 
 
+@pytest.hookimpl(trylast=True)  # after the conftest's own clean-up (the session's PostgreSQL cluster)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Every fixture has been finalized: whatever still runs was left behind."""
     if runs_tests(session.config):
