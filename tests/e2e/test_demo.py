@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -97,5 +99,42 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
     assert ("assignment.verified", "llm-fused@1.1.0") in actions  # canaries served it after their trial
     assert ("assignment.verified", "llm-fused@1.2.0-fault.drift") not in actions
     assert revoked == "revoked"
+    leftover = subprocess.run(["pgrep", "-f", str(keep)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
+
+
+def test_demo_stops_on_a_paused_stratum_and_says_which(tmp_path: Path) -> None:
+    """A stratum the demo cannot finish (here an operator pauses the rollout from outside) ends the demo at once
+    with exit 1 and one line naming the rollout, the stratum and why; the next rollout is not started (before,
+    the demo waited out its wall-clock timeout, then blamed the next rollout's 409)."""
+    keep = tmp_path / "demo"
+    with running_demo(["--json", "--keep", str(keep)], keep) as proc:
+        port_file, tokens = keep / "controller" / "port", keep / "bootstrap-tokens"
+        deadline = time.monotonic() + DEMO_LIMIT_S
+        rollout = None
+        while rollout is None and time.monotonic() < deadline and proc.poll() is None:
+            if port_file.is_file() and port_file.read_text().strip() and tokens.is_file():
+                operator = next(ln.split()[2] for ln in tokens.read_text().splitlines() if ln.startswith("operator "))
+                url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+                with contextlib.suppress(httpx.HTTPError):
+                    listed = httpx.get(f"{url}/v1/rollouts", headers={"Authorization": f"Bearer {operator}"}).json()
+                    rollout = next((r for r in listed if r["bundle"] == "llm-fused@1.1.0"
+                                    and r["state"] == "progressing"), None)
+            time.sleep(0.5)
+        assert rollout is not None, "the demo never started rolling out 1.1.0"
+        r = httpx.post(f"{url}/v1/rollouts/{rollout['id']}/pause", json={"reason": "e2e: an operator pauses it"},
+                       headers={"Authorization": f"Bearer {operator}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        out, err = proc.communicate(timeout=DEMO_LIMIT_S)
+    summary = json.loads(out)
+    assert proc.returncode == 1 and summary["ok"] is False
+    error = summary["error"]
+    assert error.startswith(f"rollout {rollout['id']} (llm-fused@1.1.0), stratum sm_") and \
+        error.endswith(" at step 1/2: paused: e2e: an operator pauses it"), error
+    assert f"demo failed: {error}" in " ".join(err.split()), err[-2000:]
+    states = {r["bundle"]: r["state"] for r in summary["rollouts"]}
+    assert states == {"llm-fused@1.0.0": "promoted", "llm-fused@1.1.0": "paused",
+                      "llm-fused@1.2.0-fault.drift": "not started"}
+    assert "409" not in error
     leftover = subprocess.run(["pgrep", "-f", str(keep)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
