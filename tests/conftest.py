@@ -47,11 +47,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if hasattr(config, "workerinput") or "KERNELCTL_TEST_PG_URL" in os.environ:
         return
-    if not _postgres_answers(dbutil.PG_ADMIN_URL):
+    default = dbutil.PG_ADMIN_URL
+    if not _postgres_answers(default):
         _SESSION_PG = provision.PgCluster("session").start()
         os.environ["KERNELCTL_TEST_PG_URL"] = dbutil.PG_ADMIN_URL = _SESSION_PG.url
-        sys.stderr.write(f"PostgreSQL does not answer at 127.0.0.1:5432: the tests run on a cluster of their own "
-                         f"at {_SESSION_PG.url} (removed at the end)\n")
+        sys.stderr.write(f"PostgreSQL does not answer at {default}: the tests run on a cluster of their own at "
+                         f"{_SESSION_PG.url} (removed at the end)\n")
 
 
 @pytest.fixture(params=[pytest.param("sqlite"), pytest.param("postgres", marks=pytest.mark.postgres)])

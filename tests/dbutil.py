@@ -1,7 +1,8 @@
 """Throw-away databases for tests: a fresh SQLite file or a fresh PostgreSQL database per test.
 
-PostgreSQL is real (127.0.0.1:5432 by default, ``KERNELCTL_TEST_PG_URL`` to change); when it is not
-reachable the tests fail, never skip. Each test database is cloned from a migrated template, so every
+PostgreSQL is real (127.0.0.1:5432 by default, ``KERNELCTL_TEST_PG_URL`` to change; when nothing answers at the
+default, the session runs on a cluster of its own, tests/conftest.py); when it is not reachable the tests fail,
+never skip. Each test database is cloned from a migrated template, so every
 test starts at the Alembic head in milliseconds.
 """
 
@@ -35,7 +36,7 @@ def pg_admin() -> psycopg.Connection:
     except psycopg.OperationalError as exc:
         raise RuntimeError(
             f"PostgreSQL is required for the database tests and is not reachable at {PG_ADMIN_URL}: {exc}. "
-            "Start it (`.ci/run` does) or set KERNELCTL_TEST_PG_URL."
+            "Start it, or unset KERNELCTL_TEST_PG_URL to let the tests start a cluster of their own."
         ) from exc
 
 
