@@ -6,6 +6,12 @@ through Triton's interpreter) on the embedded SQLite default. It makes llm-fused
 Trial before serve: the live view shows the canaries per phase (staged, verified, serving), and the summary
 how many nodes served each version (the audit's activations): the fault must have served on none. Exit 0
 only when both outcomes happened and the fault never served.
+
+The demo judges on evidence, never on a clock a busy machine can outrun: its plan's step deadlines outlast the
+evidence it allows a step, and :class:`Watch` ends a rollout that pauses, stays undecided after SAMPLE_BUDGET
+clean reports, or whose canaries fall silent for longer than their measured trials explain, with one line
+naming the rollout, the stratum and why; no further rollout starts after a failure. What it shows while it runs:
+cli/demo_view.py.
 """
 
 from __future__ import annotations
