@@ -46,6 +46,8 @@ def apt_install(packages: list[str], why: str) -> None:
     if not shutil.which("apt-get"):
         raise ProvisionError(f"{why}: install {' '.join(packages)} (no apt-get on this machine)")
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if sudo and not shutil.which("sudo"):
+        raise ProvisionError(f"{why}: install {' '.join(packages)} as root (not root here, and no sudo)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in ([*sudo, "apt-get", "update", "-qq"],
                 [*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]):
