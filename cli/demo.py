@@ -129,9 +129,10 @@ class Watch:
         return max(STALL_FLOOR_S, STALL_FACTOR * self.slowest_trial_s)
 
     def check(self, outcome: Outcome, detail: dict[str, Any], evidence: dict[str, StratumEvidence],
-              since: dt.datetime, logs: Path) -> str | None:
+              since: dt.datetime, logs: Path, now: dt.datetime | None = None) -> str | None:
+        """What ends the rollout now (None: nothing); ``since``: when it started, ``now``: default the clock."""
         self.slowest_trial_s = max([self.slowest_trial_s, *(e.slowest_trial_s for e in evidence.values())])
-        now = dt.datetime.now(dt.timezone.utc)
+        now = now or dt.datetime.now(dt.timezone.utc)
         steps = len(detail.get("steps", [])) or 1
         for s in detail.get("strata", []):
             where = (f"rollout {detail['id']} ({outcome.ref}), stratum {s['stratum']} at step "

@@ -36,7 +36,8 @@ def evidence(ok: int, seconds_ago: float, slowest: float) -> StratumEvidence:
 
 
 def check(watch: Watch, d: dict[str, Any], ev: dict[str, StratumEvidence]) -> str | None:
-    return watch.check(Outcome("llm-fused@1.1.0", "promoted"), d, ev, NOW - dt.timedelta(seconds=5), Path("logs"))
+    return watch.check(Outcome("llm-fused@1.1.0", "promoted"), d, ev, NOW - dt.timedelta(seconds=5), Path("logs"),
+                       now=NOW)
 
 
 def test_a_paused_stratum_ends_the_rollout_naming_rollout_stratum_and_reason() -> None:
