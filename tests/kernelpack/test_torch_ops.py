@@ -17,7 +17,7 @@ ALL_OPS = ("add_layernorm", "add_rmsnorm", "bias_gelu", "bias_gelu_tanh", "flash
            "softmax_causal", "swiglu")
 
 
-def _inputs(name: str) -> tuple[torch.Tensor, ...]:
+def _inputs(name: str) -> tuple[object, ...]:
     op = importlib.import_module(f"kernelpack.kernels.{name}").OP
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[op.domain.dtypes[0]]
     ins = op.make_inputs(op.test_shapes[0], dtype, torch.device("cpu"), torch.Generator().manual_seed(1))
@@ -27,12 +27,13 @@ def _inputs(name: str) -> tuple[torch.Tensor, ...]:
 def test_every_bundle_op_is_an_operator_with_a_fake_implementation() -> None:
     assert sorted(torch_ops.SIGNATURES) == sorted(ALL_OPS)
     assert torch_ops.SIGNATURES["add_rmsnorm"].schema == \
-        "add_rmsnorm(Tensor x, Tensor residual, Tensor weight) -> (Tensor, Tensor)"
+        "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)"
+    assert torch_ops.SIGNATURES["add_layernorm"].params == (("eps", 1e-5),)
     for name in ALL_OPS:
         args = _inputs(name)
         packet = getattr(torch.ops.kernelctl, name)
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake_out = packet(*(mode.from_tensor(a) for a in args))
+            fake_out = packet(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
         real_out = packet(*args)  # no bundle published: the PyTorch path
         fake_out = fake_out if isinstance(fake_out, tuple) else (fake_out,)
         real_out = real_out if isinstance(real_out, tuple) else (real_out,)
