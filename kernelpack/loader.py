@@ -240,6 +240,8 @@ class BoundOp:
     fallbacks: int = 0
     last_fallback_reason: str | None = None
     calls: int = 0
+    # (lo, hi) token windows where the manifest says the kernel wins on this arch; None: no measurement
+    wins: tuple[tuple[int, int | None], ...] | None = None
     _logged: set[str] = field(default_factory=set, repr=False)
     _installed: KernelOp | None = field(default=None, repr=False)
 
@@ -249,6 +251,11 @@ class BoundOp:
     @property
     def supported(self) -> bool:
         return self.unsupported is None
+
+    def wins_at(self, tokens: int) -> bool:
+        """Whether the bundle says its kernel wins at ``tokens`` tokens per call on this arch (True where it
+        ships no measurement for the arch)."""
+        return self.wins is None or any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in self.wins)
 
     def _fallback(self, inputs: Inputs, reason: str) -> Outputs:
         self.fallbacks += 1
@@ -335,8 +342,10 @@ def load_bundle(
         why = reason
         if why is None and resolved_arch is not None and resolved_arch not in k.built_for(manifest.targets):
             why = f"op {k.op} is not built for {resolved_arch} (only {', '.join(k.built_for(manifest.targets))})"
+        wins = k.wins_for(resolved_arch)
         ops[k.op] = BoundOp(
-            k.op, op, config, resolved_arch, f"{manifest.name}@{manifest.version}", triton_cache, why
+            k.op, op, config, resolved_arch, f"{manifest.name}@{manifest.version}", triton_cache, why,
+            wins=None if wins is None else tuple((w.lo, w.hi) for w in wins),
         )
     if reason is not None:
         log.warning("%s@%s: Triton kernels disabled (%s); ops use the PyTorch path", manifest.name,

@@ -110,6 +110,14 @@ def _resolve(name: str) -> BoundOp:
     return bound
 
 
+@torch.compiler.assume_constant_result
+def kernel_wins(name: str, tokens: int) -> bool:
+    """Whether the version that serves op ``name`` says its kernel wins at ``tokens`` tokens per call on this
+    node's arch (its manifest's ``wins`` table; True where it ships none). Under ``torch.compile`` this is
+    evaluated once at trace time (a constant of the graph, no graph break)."""
+    return _resolve(name).wins_at(tokens)
+
+
 def last_served(op: str) -> str | None:
     """Which version ran ``op``'s last eager call (``"llm-fused@1.1.0"``, or ``"reference"``)."""
     assert _state.served is not None
