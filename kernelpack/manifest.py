@@ -8,6 +8,7 @@ that are signed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -173,7 +174,7 @@ class KernelSource(_Strict):
         for arch, windows in (v or {}).items():
             if not re.match(ARCH_PATTERN, arch):
                 raise ValueError(f"wins key {arch!r} must be an arch like sm_90")
-            for a, b in zip(windows, windows[1:], strict=False):
+            for a, b in itertools.pairwise(windows):
                 if a.hi is None or b.lo <= a.hi:
                     raise ValueError(f"wins for {arch}: token windows must be sorted and must not overlap")
         return v

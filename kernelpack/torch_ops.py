@@ -149,7 +149,7 @@ def signature_of(op: KernelOp) -> OpSignature:
 
 def _arguments(sig: OpSignature, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, object]:
     """The op's inputs by name from an operator call (parameters the caller left out take their defaults)."""
-    out = dict(zip(sig.inputs + tuple(n for n, _ in sig.params), args))
+    out = dict(zip(sig.inputs + tuple(n for n, _ in sig.params), args, strict=False))  # trailing params optional
     return {**out, **{n: kwargs.get(n, d) for n, d in sig.params if n not in out}}
 
 

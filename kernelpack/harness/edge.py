@@ -33,12 +33,12 @@ import torch
 from kernelpack.harness.numerics import (
     NumericResult,
     clone_inputs,
+    comparable,
     compare_output,
     diff_outputs,
     make_generator,
     poisoned_mask,
     resolve_dtype,
-    comparable,
     run_poisoned,
     tolerance_for,
 )

@@ -23,6 +23,7 @@ version switch drops the model's compiled call (``torch.compile`` / CUDA graphs)
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from collections import Counter
@@ -112,14 +113,20 @@ def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
     return y.view(shape), h.view(shape)
 
 
+def _cache_kwarg(ml: types.ModuleType) -> str:
+    """The name transformers' Llama layers give the KV cache argument: ``cache`` since 5.24, before that
+    ``past_key_values`` (5.24 still accepts the old name, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(ml.LlamaAttention.forward).parameters else "past_key_values"
+
+
 def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
-                           position_ids: Any = None, past_key_values: Any = None, use_cache: bool | None = False,
+                           position_ids: Any = None, use_cache: bool | None = False,
                            position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     attn_out, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                                 position_embeddings=position_embeddings, **kwargs)
+                                 position_ids=position_ids, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)  # the cache among kwargs
     normed, hidden_states = _add_rmsnorm(attn_out, residual, self.post_attention_layernorm, self)
     return hidden_states + self.mlp(normed)
 
@@ -160,8 +167,13 @@ def _half_table(t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
 def _make_attention_forward(ml: types.ModuleType):
     """The Llama attention forward of transformers' modeling module ``ml`` with rope on kernelctl.rope."""
 
+    cache_kw = _cache_kwarg(ml)
+
     def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
-                attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+                attention_mask: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        cache = kwargs.pop(cache_kw, None)
+        if cache is None and cache_kw == "cache":  # a caller still using the old name
+            cache = kwargs.pop("past_key_values", None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)  # (batch, seq, heads, head_dim): the op's layout
@@ -180,8 +192,9 @@ def _make_attention_forward(ml: types.ModuleType):
         else:
             _fallback("rope", why)
             q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = (cache.update(k, v, self.layer_idx, kwargs=kwargs) if cache_kw == "cache"
+                    else cache.update(k, v, self.layer_idx))
         attention_interface = ml.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, ml.eager_attention_forward)
         attn_output, attn_weights = attention_interface(

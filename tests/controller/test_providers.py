@@ -43,7 +43,7 @@ def test_a_second_bundle_for_the_same_op_is_refused_at_start(kit: Kit) -> None:
     # once the attention rollout is rolled back, only the stable norm bundle still clashes
     with kit.tx() as s:
         rollback(s, attn, actor="op", reason="test")
-    with pytest.raises(Conflict, match="norms@1.0.0 provides add_rmsnorm") as err, kit.tx() as s:
+    with pytest.raises(Conflict, match=r"norms@1\.0\.0 provides add_rmsnorm") as err, kit.tx() as s:
         start_rollout(s, "fused@2.0.0", actor="op")
     assert "attention" not in str(err.value)
     # a bundle whose ops nobody else provides starts
