@@ -36,6 +36,9 @@ def residual_tile(x_ptr, r_ptr, h_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BL
     return h.to(tl.float32), offs, mask, cols, cmask
 
 
+ROW_SCALES = (1.0, 1e-2, 2e-3)  # magnitudes of the rows make_inputs draws, cycled over the tokens
+
+
 def block_n(hidden: int) -> int:
     return max(16, triton.next_power_of_2(hidden))
 
@@ -75,7 +78,10 @@ def make_norm_op(name: str, kernel: Any, eps: spec.Param, params: tuple[str, ...
                     gen: torch.Generator) -> spec.Inputs:
         t, h = shape["tokens"], shape["hidden"]
         g = gen.device
-        inputs = {k: torch.randn(t, h, generator=gen, device=g).to(device, dtype) for k in ("x", "residual")}
+        # rows of three magnitudes: at 1e-2 and 2e-3 a row's mean square is near eps, so the output depends on
+        # the eps the kernel is given (an op that ignored it would pass on unit-scale rows alone)
+        scale = torch.tensor(ROW_SCALES, device=g)[torch.arange(t, device=g) % len(ROW_SCALES)][:, None]
+        inputs = {k: (scale * torch.randn(t, h, generator=gen, device=g)).to(device, dtype) for k in ("x", "residual")}
         for p in params:
             inputs[p] = PARAMS[p][1](torch.randn(h, generator=gen, device=g)).to(device, dtype)
         return {**inputs, **spec.draw_params(domain, gen)}
