@@ -148,3 +148,33 @@ def test_a_version_that_predates_a_parameter_serves_only_its_default(serving: Se
     inputs = {"x": x, "residual": x, "weight": w}
     assert comparable((bound.op, {}), new, {**inputs, "eps": 1e-6}) is not None
     assert comparable((bound.op, {}), new, {**inputs, "eps": 1e-5}) is None
+
+
+def test_an_op_that_refuses_a_newer_input_falls_back_to_the_installed_pytorch_path(tmp_path: Path) -> None:
+    """A flash_attn from before GQA refused k/v with fewer heads than q, and its own eager code cannot compute
+    them: the call runs the installed op's eager path (the contract of this installation)."""
+    import dataclasses
+
+    from kernelpack.kernels.spec import DomainError
+    from kernelpack.loader import BoundOp
+
+    new = importlib.import_module("kernelpack.kernels.flash_attn").OP
+
+    def no_gqa(inputs):  # type: ignore[no-untyped-def]
+        if inputs["k"].shape != inputs["q"].shape:
+            raise DomainError("k shape must equal q shape (self-attention, no GQA)")
+        return new.shape_of(inputs)
+
+    def eager_no_gqa(inputs):  # type: ignore[no-untyped-def]
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        return (torch.softmax((q @ k.transpose(-1, -2)).float(), -1).to(q.dtype) @ v,)
+
+    old = BoundOp("flash_attn", dataclasses.replace(new, shape_of=no_gqa, eager=eager_no_gqa), {}, "sm_90",
+                  "attn@0.1.0", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    inputs = {"q": torch.randn(1, 4, 5, 64, generator=g).to(torch.bfloat16),
+              "k": torch.randn(1, 2, 5, 64, generator=g).to(torch.bfloat16),
+              "v": torch.randn(1, 2, 5, 64, generator=g).to(torch.bfloat16)}
+    (o,) = old(inputs)
+    assert old.fallbacks == 1 and old.calls == 0 and "no GQA" in (old.last_fallback_reason or "")
+    assert torch.equal(o, new.eager(inputs)[0])
