@@ -189,8 +189,8 @@ class Runtime:
 
     def providers(self, name: str) -> list[str]:
         """The active bundles whose manifest provides op ``name`` (one, for an op that is served from a bundle)."""
+        self.poll()
         with self._lock:
-            self._refresh()
             return list(self._provided().get(name, []))
 
     def _provided(self) -> dict[str, list[str]]:
