@@ -342,7 +342,9 @@ def benchmark(cfg: Mapping[str, Any], ops: OpSet | None, *, device: torch.device
 
 LLAMA3_8B = {"architecture": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
-             "max_position_embeddings": 16384, "rms_norm_eps": 1e-6}
+             "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,  # Llama-3's own eps and rope scaling
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ def test_bf16_prefill_runs_flash_attention_and_decode_falls_back(serving: Servin
 
 
 def llama3_config(**kw: object) -> LlamaConfig:
-    """Llama-3's shape in miniature: RMSNorm eps 1e-5, GQA (4 query heads on 2 kv heads), head_dim 64,
+    """Llama-3's shape in miniature: RMSNorm eps 1e-5, GQA (4 query heads on 2 kv heads), head_dim 64 (128: 8B),
     rope_theta 500000 with the "llama3" rope scaling (factor 8 over an original 8k context)."""
     return LlamaConfig(**{**dict(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,12 +86,13 @@ def llama3_config(**kw: object) -> LlamaConfig:
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), **kw})
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @torch.no_grad()
-def test_llama3_shaped_model_runs_every_patched_kind_on_the_bundle(serving: Serving) -> None:
+def test_llama3_shaped_model_runs_every_patched_kind_on_the_bundle(serving: Serving, head_dim: int) -> None:
     """No fallback anywhere in the prefill: each op's kernel ran once per layer (counted by the runtime's ops),
     and the logits stay within bf16 tolerance of transformers' own model. A decode step runs the norm, MLP and
     rope kernels too; its attention (q_len 1 over the cache) is SDPA until a decode kernel ships."""
-    cfg = llama3_config()
+    cfg = llama3_config(head_dim=head_dim)
     assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rms_norm_eps == 1e-5
     torch.manual_seed(5)
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
