@@ -149,12 +149,12 @@ def test_rejects_unknown_kinds_and_families() -> None:
 @pytest.mark.gpu
 @torch.no_grad()
 def test_real_shape_llama_logits_on_gpu(serving: Serving) -> None:
-    """Llama-3-8B layer shapes (2 layers, smaller vocab), bf16, prefill of 2 x 512 tokens: every kind runs
-    its kernel (flash attention for the prefill) and the logits match transformers' SDPA model."""
+    """Llama-3-8B (eps 1e-5, llama3 rope scaling, GQA 32/8) layer shapes (2 layers, smaller vocab), bf16,
+    prefill of 2 x 512 tokens: every kind runs its kernel (flash attention for the prefill) and the logits match
+    transformers' SDPA model."""
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                      max_position_embeddings=4096, initializer_range=0.02)
+    cfg = llama3_config(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, initializer_range=0.02)  # Llama-3's eps, rope
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
