@@ -36,6 +36,7 @@ from controller.db.models import (
 )
 from controller.errors import ConcurrentWrite, Conflict, Invalid, NotFound
 from controller.plan import PlanSpec, load_plan
+from controller.providers import op_clashes
 from kernelctl.vocab import (
     ACTIVE_STATES,
     PAUSED,
@@ -181,6 +182,9 @@ def start_rollout(
         if overlap:
             raise Conflict(f"rollout {r.id} of {r.bundle.ref} is still active on {', '.join(overlap)}: "
                            "finish, roll back or wait for it first")
+    if clashes := op_clashes(session, bundle, chosen):  # a node serves each op from one active bundle
+        raise Conflict(f"{bundle.ref} would be a second active bundle for the same ops: {'; '.join(clashes)}; "
+                       "a node serves each op from one bundle: drop the ops from one of them")
     changes: dict[str, list[str]] = {}
     for bid in sorted({stable[s] for s in chosen if stable.get(s) is not None}):
         base = session.get(Bundle, bid)

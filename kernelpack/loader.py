@@ -7,13 +7,17 @@ from the verified bytes (never from a .pyc); the files on disk exist because Tri
 source through ``inspect``. A meta-path finder serves only those private packages, so two versions live
 side by side in one process and ``sys.path`` is never touched.
 
-``BoundOp`` runs the Triton path with the launch config for the detected arch, or falls back to the op's
-PyTorch eager path (logged, counted) when the hardware is outside the bundle's targets or the input is outside
-the op's declared domain.
+``BoundOp`` runs the Triton path with the launch config for the detected arch, or falls back to the PyTorch
+eager path (logged, counted) when the hardware is outside the bundle's targets or the input is outside the op's
+declared domain. The eager path is the installed ``kernelpack.kernels.<op>``'s where kernelpack has the op (it
+implements the operator contract of this installation: an older bundle's op may lack a run-time parameter such
+as eps, and its own eager path would ignore it), else the bundle's. A call giving a parameter the bundle's op
+does not take a value other than the default runs that path too (``spec.call_inputs``).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import logging
@@ -38,7 +42,7 @@ from triton import knobs
 import kernelpack.kernels.spec as spec_module
 from kernelpack.archive import DEFAULT_LIMITS, Limits, read_directory
 from kernelpack.errors import LoadError
-from kernelpack.kernels.spec import DomainError, Inputs, KernelOp, Outputs
+from kernelpack.kernels.spec import DomainError, Inputs, KernelOp, Outputs, call_inputs, first_tensor
 from kernelpack.manifest import Manifest
 from kernelpack.verify import TrustedKeys, VerifiedBundle, verify_path
 
@@ -212,9 +216,19 @@ def unsupported_reason(manifest: Manifest, arch: str | None) -> str | None:
     return None
 
 
+def installed_op(name: str) -> KernelOp | None:
+    """The op ``name`` of the installed ``kernelpack.kernels`` package (None when kernelpack has no such op)."""
+    try:
+        op = importlib.import_module(f"kernelpack.kernels.{name}").OP
+    except (ImportError, AttributeError):
+        return None
+    return op if isinstance(op, KernelOp) else None
+
+
 @dataclass
 class BoundOp:
-    """One op of a loaded bundle bound to an arch: call it like a function on a dict of input tensors."""
+    """One op of a loaded bundle bound to an arch: call it like a function on a dict of input tensors (and the
+    op's scalar parameters). ``calls`` counts the calls its Triton kernel served, ``fallbacks`` the others."""
 
     name: str
     op: KernelOp
@@ -225,11 +239,23 @@ class BoundOp:
     unsupported: str | None = None
     fallbacks: int = 0
     last_fallback_reason: str | None = None
+    calls: int = 0
+    # (lo, hi) token windows where the manifest says the kernel wins on this arch; None: no measurement
+    wins: tuple[tuple[int, int | None], ...] | None = None
     _logged: set[str] = field(default_factory=set, repr=False)
+    _installed: KernelOp | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._installed = installed_op(self.name)
 
     @property
     def supported(self) -> bool:
         return self.unsupported is None
+
+    def wins_at(self, tokens: int) -> bool:
+        """Whether the bundle says its kernel wins at ``tokens`` tokens per call on this arch (True where it
+        ships no measurement for the arch)."""
+        return self.wins is None or any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in self.wins)
 
     def _fallback(self, inputs: Inputs, reason: str) -> Outputs:
         self.fallbacks += 1
@@ -237,7 +263,9 @@ class BoundOp:
         if reason not in self._logged and len(self._logged) < 64:
             self._logged.add(reason)
             log.warning("%s %s: falling back to the PyTorch eager path: %s", self.bundle, self.name, reason)
-        return self.op.eager(inputs)
+        if self._installed is not None:
+            return self._installed.eager(inputs)
+        return self.op.eager(call_inputs(self.op, inputs, {}) or {})
 
     @contextmanager
     def cache_scope(self) -> Iterator[None]:
@@ -249,14 +277,20 @@ class BoundOp:
     def __call__(self, inputs: Inputs) -> Outputs:
         if self.unsupported is not None:
             return self._fallback(inputs, self.unsupported)
-        t0 = next(iter(inputs.values()))
+        contract = self._installed.domain.params if self._installed is not None else self.op.domain.params
+        args = call_inputs(self.op, inputs, contract)
+        if args is None:
+            lacks = sorted(k for k in inputs if k in contract and k not in self.op.domain.params)
+            return self._fallback(inputs, f"this version's op predates the run-time parameter(s) {', '.join(lacks)} "
+                                          "and computes with their defaults only")
         try:
-            self.op.domain.check(t0.dtype, self.op.shape_of(inputs), inputs)
+            self.op.domain.check(first_tensor(args).dtype, self.op.shape_of(args), args)
         except DomainError as exc:
             return self._fallback(inputs, f"input outside the op's domain: {exc}")
-        outs = self.op.alloc_outputs(inputs)
+        outs = self.op.alloc_outputs(args)
         with self.cache_scope():
-            self.op.run(inputs, outs, self.config)
+            self.op.run(args, outs, self.config)
+        self.calls += 1
         return outs
 
 
@@ -308,8 +342,10 @@ def load_bundle(
         why = reason
         if why is None and resolved_arch is not None and resolved_arch not in k.built_for(manifest.targets):
             why = f"op {k.op} is not built for {resolved_arch} (only {', '.join(k.built_for(manifest.targets))})"
+        wins = k.wins_for(resolved_arch)
         ops[k.op] = BoundOp(
-            k.op, op, config, resolved_arch, f"{manifest.name}@{manifest.version}", triton_cache, why
+            k.op, op, config, resolved_arch, f"{manifest.name}@{manifest.version}", triton_cache, why,
+            wins=None if wins is None else tuple((w.lo, w.hi) for w in wins),
         )
     if reason is not None:
         log.warning("%s@%s: Triton kernels disabled (%s); ops use the PyTorch path", manifest.name,

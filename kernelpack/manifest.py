@@ -8,6 +8,7 @@ that are signed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -113,6 +114,22 @@ class Traffic(_Strict):
         return v
 
 
+class TokenWindow(_Strict):
+    """Calls of ``lo`` to ``hi`` tokens (batch x sequence of the call; ``hi`` absent: no ceiling)."""
+
+    lo: int = Field(ge=1)
+    hi: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TokenWindow:
+        if self.hi is not None and self.hi < self.lo:
+            raise ValueError(f"token window [{self.lo}, {self.hi}] is empty")
+        return self
+
+    def contains(self, tokens: int) -> bool:
+        return self.lo <= tokens and (self.hi is None or tokens <= self.hi)
+
+
 class KernelSource(_Strict):
     """One op as written in bundle.toml."""
 
@@ -122,6 +139,11 @@ class KernelSource(_Strict):
     configs: dict[str, dict[str, ConfigValue]] = Field(default_factory=lambda: {"default": {}})
     # the target archs this op is built for (default: all); e.g. FP8 kernels need sm_89+
     archs: list[str] | None = None
+    # per arch, the token windows where this op's kernel was measured at least as fast as the baseline a serving
+    # team runs (docs/serving.md, "Where the kernels run"); serving runs the baseline outside them. An arch
+    # without an entry runs the kernel wherever its domain allows. Absent from manifests built before it existed
+    # (and left out of the signed bytes when unset, so those still verify).
+    wins: dict[str, list[TokenWindow]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("source")
     @classmethod
@@ -145,6 +167,21 @@ class KernelSource(_Strict):
     def built_for(self, targets: Targets) -> list[str]:
         """The archs this op is compiled for."""
         return list(self.archs) if self.archs is not None else list(targets.archs)
+
+    @field_validator("wins")
+    @classmethod
+    def _wins(cls, v: dict[str, list[TokenWindow]] | None) -> dict[str, list[TokenWindow]] | None:
+        for arch, windows in (v or {}).items():
+            if not re.match(ARCH_PATTERN, arch):
+                raise ValueError(f"wins key {arch!r} must be an arch like sm_90")
+            for a, b in itertools.pairwise(windows):
+                if a.hi is None or b.lo <= a.hi:
+                    raise ValueError(f"wins for {arch}: token windows must be sorted and must not overlap")
+        return v
+
+    def wins_for(self, arch: str | None) -> list[TokenWindow] | None:
+        """The token windows where the kernel wins on ``arch`` (None: no measurement, run it everywhere)."""
+        return None if self.wins is None or arch is None else self.wins.get(arch)
 
     def config_for(self, arch: str | None) -> dict[str, ConfigValue]:
         """The launch config for ``arch``: the arch entry layered over ``default``."""
@@ -191,6 +228,9 @@ class _BundleCommon(_Strict):
             for key in k.configs:
                 if key != "default" and key not in self.targets.archs:
                     raise ValueError(f"kernel {k.op}: config for {key} which is not a target arch")
+            for key in k.wins or {}:
+                if key not in self.targets.archs:
+                    raise ValueError(f"kernel {k.op}: wins for {key} which is not a target arch")
             if k.archs is not None:
                 if not k.archs or len(set(k.archs)) != len(k.archs):
                     raise ValueError(f"kernel {k.op}: archs must be a non-empty list without duplicates")

@@ -6,7 +6,12 @@ The agent publishes ``active.json`` in the runtime directory (``$KERNELCTL_RUNTI
                    "stable": {"version": "1.0.0", "path": "...", "digest": "..."}}}
 
 with :func:`publish_active` (read-modify-write under a lock file, write-to-temp + fsync + ``os.replace``), so
-a reader sees either the old or the new document, never a mix. :func:`get_op` re-reads the file when its
+a reader sees either the old or the new document, never a mix. Several bundles may be active at once (an
+attention bundle and a norm bundle rolled out independently): :func:`get_op` resolves each op from the one
+active bundle that provides it (its active version's manifest, or the stable version's when the active one
+cannot load); an op that two active bundles provide is refused (the PyTorch path serves it, and
+:attr:`Runtime.reason` says why: the controller refuses such a rollout at start). Given a bundle name, get_op
+serves from that bundle only. :func:`get_op` re-reads the file when its
 inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
 the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
 changed); loaded versions stay cached by digest so switching back is instant.
@@ -14,8 +19,8 @@ changed); loaded versions stay cached by digest so switching back is instant.
 Code that captures kernel launches (CUDA graphs, compiled graphs) never calls ``get_op`` again once captured, so
 the runtime also says *when* what it serves may have changed: :attr:`Runtime.generation` goes up by one each
 time a new active document is seen, :meth:`Runtime.poll` checks for one (one ``stat``) and returns the
-generation, :meth:`Runtime.served_key` names the versions a bundle is served from (equal keys: the same
-kernels, so a capture made under one key stays valid under it), :meth:`Runtime.subscribe` registers a callback
+generation, :meth:`Runtime.served_key` names the versions a bundle (or, given no name, every active bundle)
+is served from (equal keys: the same kernels, so a capture made under one key stays valid under it), :meth:`Runtime.subscribe` registers a callback
 run after each change, and :meth:`Runtime.watch` polls from a daemon thread for processes with no step loop.
 ``kernelpack.integrations.graphs`` uses these to re-capture after a switch.
 """
@@ -23,7 +28,6 @@ run after each change, and :meth:`Runtime.watch` polls from a daemon thread for 
 from __future__ import annotations
 
 import fcntl
-import importlib
 import json
 import logging
 import os
@@ -110,14 +114,11 @@ def publish_active(
 
 def reference_op(name: str) -> BoundOp:
     """The installed ``kernelpack.kernels.<name>`` op bound to its PyTorch eager path only."""
-    from kernelpack.kernels.spec import KernelOp
-    from kernelpack.loader import BoundOp
+    from kernelpack.loader import BoundOp, installed_op
 
-    try:
-        op = importlib.import_module(f"kernelpack.kernels.{name}").OP
-    except (ImportError, AttributeError) as exc:
-        raise LookupError(f"no bundle provides {name} and kernelpack has no reference for it") from exc
-    assert isinstance(op, KernelOp)
+    op = installed_op(name)
+    if op is None:
+        raise LookupError(f"no bundle provides {name} and kernelpack has no reference for it")
     return BoundOp(name, op, {}, None, "reference", Path(), unsupported="no usable bundle (PyTorch reference)")
 
 
@@ -134,8 +135,11 @@ class Runtime:
     _loaded: dict[str, LoadedBundle] = field(default_factory=dict)  # by digest
     _failed: dict[str, str] = field(default_factory=dict)  # digest -> reason
     _refs: dict[str, BoundOp] = field(default_factory=dict)  # op -> reference-only op
+    _providers: dict[str, list[str]] = field(default_factory=dict)  # op -> active bundles providing it
+    _providers_gen: int = -1  # the generation _providers was computed for
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    reason: dict[str, str] = field(default_factory=dict)  # bundle -> why it is not on the active version
+    # bundle -> why it is not on the active version; op -> why no single active bundle serves it
+    reason: dict[str, str] = field(default_factory=dict)
     generation: int = 0  # +1 each time a new active document is seen (see module docstring)
     _listeners: list[Callable[[int], None]] = field(default_factory=list)
     _watcher: threading.Thread | None = None
@@ -173,12 +177,32 @@ class Runtime:
             self._notify(after)
         return after
 
-    def served_key(self, bundle: str = "llm-fused") -> tuple[str, str]:
-        """(active digest, stable digest) of ``bundle`` as last read ("" where none): what get_op serves from."""
+    def served_key(self, bundle: str | None = None) -> tuple[Any, ...]:
+        """(active digest, stable digest) of ``bundle`` as last read ("" where none): what get_op serves from;
+        without a bundle, (name, active digest, stable digest) of every active bundle."""
+        if bundle is None:
+            return tuple((name, *self.served_key(name)) for name in sorted(self._active))
         entry = self._active.get(bundle)
         if entry is None:
             return ("", "")
         return (entry.digest, entry.stable.digest if entry.stable is not None else "")
+
+    def providers(self, name: str) -> list[str]:
+        """The active bundles whose manifest provides op ``name`` (one, for an op that is served from a bundle)."""
+        self.poll()
+        with self._lock:
+            return list(self._provided().get(name, []))
+
+    def _provided(self) -> dict[str, list[str]]:
+        """op -> the active bundles providing it, recomputed once per generation (under the lock)."""
+        if self._providers_gen != self.generation:
+            provided: dict[str, list[str]] = {}
+            for bundle, entry in sorted(self._active.items()):
+                lb = self._load(entry) or (self._load(entry.stable) if entry.stable is not None else None)
+                for op in sorted(lb.ops if lb is not None else ()):
+                    provided.setdefault(op, []).append(bundle)
+            self._providers, self._providers_gen = provided, self.generation
+        return self._providers
 
     def active_version(self, bundle: str = "llm-fused") -> str | None:
         entry = self._active.get(bundle)
@@ -253,7 +277,8 @@ class Runtime:
         self._loaded[ref.digest] = lb
         return lb
 
-    def get_op(self, name: str, bundle: str = "llm-fused") -> BoundOp:
+    def get_op(self, name: str, bundle: str | None = None) -> BoundOp:
+        """Op ``name`` from the active bundle that provides it (or from ``bundle``), with its fallbacks."""
         before = self.generation
         try:
             return self._get_op(name, bundle)
@@ -261,9 +286,18 @@ class Runtime:
             if self.generation != before:
                 self._notify(self.generation)
 
-    def _get_op(self, name: str, bundle: str) -> BoundOp:
+    def _get_op(self, name: str, bundle: str | None) -> BoundOp:
         with self._lock:
             self._refresh()
+            if bundle is None:
+                providers = self._provided().get(name, [])
+                if len(providers) != 1:
+                    why = (f"{name} is provided by {len(providers)} active bundles ({', '.join(providers)}): "
+                           "refusing to choose" if providers else f"no active bundle provides {name}")
+                    self._note(name, f"{why}; serving the PyTorch reference for {name}")
+                    return self._ref(name)
+                self.reason.pop(name, None)
+                bundle = providers[0]
             entry = self._active.get(bundle)
             if entry is None:
                 why = f"no active version of {bundle} published"
@@ -280,9 +314,12 @@ class Runtime:
                         self._note(bundle, f"{why}; serving stable {entry.stable.version}")
                         return sb.ops[name]
             self._note(bundle, f"{why}; serving the PyTorch reference for {name}")
-            if name not in self._refs:
-                self._refs[name] = reference_op(name)
-            return self._refs[name]
+            return self._ref(name)
+
+    def _ref(self, name: str) -> BoundOp:
+        if name not in self._refs:
+            self._refs[name] = reference_op(name)
+        return self._refs[name]
 
     def _note(self, bundle: str, why: str) -> None:
         if self.reason.get(bundle) != why:
@@ -304,6 +341,6 @@ def default_runtime() -> Runtime:
         return _default
 
 
-def get_op(name: str, bundle: str = "llm-fused") -> BoundOp:
-    """The op ``name`` of the node's active ``bundle`` version (see module docstring for fallbacks)."""
+def get_op(name: str, bundle: str | None = None) -> BoundOp:
+    """The op ``name`` of the node's active bundle that provides it, or of ``bundle`` (see module docstring)."""
     return default_runtime().get_op(name, bundle)

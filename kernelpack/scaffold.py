@@ -39,9 +39,11 @@ def bundle_toml(name: str, version: str, *, kernels: Mapping[str, str], note: st
                 archs: Iterable[str] = ("sm_90",), min_driver: str = "535", cuda: Iterable[str] = ("12.x",),
                 triton: str | None = None, torch: str = DEFAULT_TORCH, decode_batch_sizes: Iterable[int] = (1, 8),
                 prefill_tokens: Iterable[int] = (64,),
-                configs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None) -> str:
+                configs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+                wins: Mapping[str, Mapping[str, Iterable[Mapping[str, int]]]] | None = None) -> str:
     """The text of a ``bundle.toml``: ``kernels`` maps op -> source (module or bundle-relative path),
-    ``configs`` op -> {arch or "default": launch config}; ``triton`` defaults to the installed version."""
+    ``configs`` op -> {arch or "default": launch config}, ``wins`` op -> {arch: token windows ``{lo, hi}``
+    where the kernel wins}; ``triton`` defaults to the installed version."""
     if triton is None:
         import triton as _triton
 
@@ -57,6 +59,9 @@ def bundle_toml(name: str, version: str, *, kernels: Mapping[str, str], note: st
         if op_configs:
             lines.append("[kernels.configs]")
             lines += [f"{arch} = {_toml(cfg)}" for arch, cfg in op_configs.items()]
+        if (op_wins := (wins or {}).get(op)) is not None:
+            lines.append("[kernels.wins]")
+            lines += [f"{arch} = {_toml(list(windows))}" for arch, windows in op_wins.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -33,6 +33,7 @@ import torch
 from kernelpack.harness.numerics import (
     NumericResult,
     clone_inputs,
+    comparable,
     compare_output,
     diff_outputs,
     make_generator,
@@ -151,9 +152,9 @@ def check_edge(candidate: OpCfg, stable: OpCfg | None, dtype: str, shape: Shape,
     for case, inputs in edge_cases(op, shape, dtype, device):
         refs = op.reference(clone_inputs(inputs))
         outs, modified = run_poisoned(op, cfg, inputs)
-        if stable is not None:
-            other = run_poisoned(stable[0], stable[1], inputs)[0]
-        else:  # no stable version: the op's eager PyTorch math in the same dtype says what the dtype allows
+        if (st := comparable(stable, op, inputs)) is not None:
+            other = run_poisoned(st[0], st[1], inputs)[0]
+        else:  # no stable version (able to take these inputs): the op's eager math in the dtype says what it allows
             other = op.eager(clone_inputs(inputs))
         for i, (o, ref) in enumerate(zip(outs, refs, strict=True)):
             unwritten = int(poisoned_mask(o).sum())
@@ -212,7 +213,8 @@ def check_production(candidate: OpCfg, stable: OpCfg | None, dtype: str, shape: 
     notes: list[str] = []
     inputs = op.make_inputs(dict(shape), tdtype, device, make_generator(device, seed))
     outs, modified = run_poisoned(op, cfg, inputs)
-    other = run_poisoned(stable[0], stable[1], inputs)[0] if stable is not None else None
+    st = comparable(stable, op, inputs)
+    other = run_poisoned(st[0], st[1], inputs)[0] if st is not None else None
     tokens = int(shape.get(token_dim, 0))
     numel = sum(v.numel() for v in inputs.values() if isinstance(v, torch.Tensor))
     rows: torch.Tensor | None = None

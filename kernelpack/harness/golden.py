@@ -5,7 +5,9 @@ Layout (no pickle, no ``torch.save`` and its random serialisation id)::
     b"KPGOLD1\\n" | u64 little-endian header length | header (canonical JSON, UTF-8) | payload
 
 The header lists, per test shape, every input and reference tensor as (name, dtype, shape, offset, nbytes)
-into the payload, plus the payload's sha256. Tensors are raw little-endian bytes in C order. Inputs are
+into the payload, plus the payload's sha256, and the op's run-time parameters of that case (``"params"``, e.g.
+``{"eps": 1e-5}``: format 2; a blob of an op without parameters stays format 1, byte for byte as before, and
+format 1 blobs are still read). Tensors are raw little-endian bytes in C order. Inputs are
 generated on the CPU from ``seed + i`` and references computed there in float64, so the same torch build
 produces the same bytes on every machine.
 """
@@ -35,6 +37,7 @@ from kernelpack.kernels.spec import KernelOp, Shape
 
 MAGIC = b"KPGOLD1\n"
 FORMAT_VERSION = 1
+PARAMS_FORMAT_VERSION = 2  # cases carry the op's run-time parameters
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -91,14 +94,16 @@ def make_golden(op: KernelOp, dtype: str, seed: int, shapes: Sequence[Shape] | N
         s = seed + i
         inputs = op.make_inputs(dict(shape), tdtype, cpu, make_generator(cpu, s))
         refs = op.reference(clone_inputs(inputs))
+        params = {k: float(v) for k, v in inputs.items() if k in op.domain.params}
         cases.append({
             "shape": dict(shape),
             "seed": s,
-            "inputs": [put(k, v) for k, v in inputs.items()],
+            "inputs": [put(k, v) for k, v in inputs.items() if k not in params],
             "refs": [put(f"out{j}", r.to(torch.float64)) for j, r in enumerate(refs)],
+            **({"params": params} if params else {}),
         })
     header = {
-        "format": FORMAT_VERSION,
+        "format": PARAMS_FORMAT_VERSION if any("params" in c for c in cases) else FORMAT_VERSION,
         "op": op.name,
         "dtype": dtype,
         "seed": seed,
@@ -125,7 +130,7 @@ def read_golden(blob: bytes) -> tuple[dict[str, Any], memoryview]:
         header = json.loads(bytes(view[start : start + hlen]))
     except ValueError as e:
         raise GoldenFormatError(f"golden header is not valid JSON: {e}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+    if not isinstance(header, dict) or header.get("format") not in (FORMAT_VERSION, PARAMS_FORMAT_VERSION):
         raise GoldenFormatError(f"unsupported golden format {header.get('format') if isinstance(header, dict) else header!r}")
     payload = view[start + hlen :]
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
@@ -166,7 +171,8 @@ def check_golden(
     dev = resolve_device(device)
     results: list[NumericResult] = []
     for case in header["cases"]:
-        inputs = {e["name"]: _tensor_from(e, payload, dev) for e in case["inputs"]}
+        inputs: dict[str, Any] = {e["name"]: _tensor_from(e, payload, dev) for e in case["inputs"]}
+        inputs.update(case.get("params") or {})
         refs = [_tensor_from(e, payload, dev) for e in case["refs"]]
         results.extend(evaluate(op, config, dtype, case["shape"], inputs, refs, seed=case.get("seed")))
     return results

@@ -320,18 +320,19 @@ def benchmark(cfg: Mapping[str, Any], ops: OpSet | None, *, device: torch.device
               decode_batches: Sequence[int], kinds_sets: Sequence[Sequence[str]] | None = None, rounds: int = 3,
               seed: int = 0, max_cache_len: int = 1024, decode_steps: int = 16) -> list[ModelE2EResult]:
     """transformers' model with SDPA (A) against the same weights patched with each set of kinds on ``ops``."""
-    from kernelpack.integrations.transformers import KINDS, MEASURED_KINDS, MEASURED_POLICY, apply_kernels
+    from kernelpack.integrations.transformers import KINDS, apply_kernels
 
     dtype = str(cfg.get("dtype") or "bf16")
     base = build_model(cfg, device=device, dtype=DTYPES[dtype], seed=seed)
     base.set_attn_implementation("sdpa")
     pinned = bound_ops(ops, "kernelctl") if ops is not None else None
     variants, replaced = [], []
-    for kinds in kinds_sets or [KINDS]:  # ["measured"]: MEASURED_KINDS under MEASURED_POLICY
+    for kinds in kinds_sets or [KINDS]:  # ["measured"]: every kind where the bundle's wins table says so
         patched = copy.deepcopy(base)
         measured = list(kinds) == ["measured"]
-        replaced.append(apply_kernels(patched, kinds=MEASURED_KINDS if measured else kinds,
-                                      policy=MEASURED_POLICY if measured else None))
+        # other variants run their kinds' kernels everywhere in their domains, whatever the table says
+        replaced.append(apply_kernels(patched, kinds=KINDS if measured else kinds,
+                                      policy=None if measured else dict.fromkeys(kinds, (1, None))))
         variants.append(Variant("kernelctl[" + ",".join(kinds) + "]", patched, pinned))
     return measure_many(Variant("sdpa", base, None), variants, device=device, dtype=dtype,
                         prefill_tokens=prefill_tokens, decode_batches=decode_batches, rounds=rounds,
@@ -341,7 +342,9 @@ def benchmark(cfg: Mapping[str, Any], ops: OpSet | None, *, device: torch.device
 
 LLAMA3_8B = {"architecture": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
-             "max_position_embeddings": 16384, "rms_norm_eps": 1e-6}
+             "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,  # Llama-3's own eps and rope scaling
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
     p.add_argument("--kinds", action="append", default=None,
-                   help="comma-separated kinds of one patched variant, or 'measured' (the measured policy); "
+                   help="comma-separated kinds of one patched variant, or 'measured' (all kinds, run where the "
+                   "bundle's per-arch wins table says the kernel wins); "
                 "repeatable; default: all kinds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bundle-src", default="kernelpack/bundles/llm-fused/1.1.0")
@@ -395,7 +399,11 @@ def _installed_bundle_ops(src: str) -> dict[str, Any]:
     for k in source.kernels:
         if k.op in installed and (not k.archs or arch in k.archs):
             ops[k.op] = (installed[k.op], {**installed[k.op].default_config, **k.config_for(arch)})
-    return bound_ops(ops, f"{source.name}@{source.version}")
+    bound = bound_ops(ops, f"{source.name}@{source.version}")
+    for k in source.kernels:  # the serving policy: where the bundle says each kernel wins on this arch
+        if k.op in bound and (wins := k.wins_for(arch)) is not None:
+            bound[k.op].wins = tuple((w.lo, w.hi) for w in wins)
+    return bound
 
 
 if __name__ == "__main__":

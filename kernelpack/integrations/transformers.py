@@ -12,8 +12,8 @@ other models in the process are untouched):
   it); the KV cache and the attention interface then see what transformers' code would give them.
 * ``attention``: the model's attention implementation becomes ``"kernelctl"``, registered in transformers'
   ``AttentionInterface`` (masks as for SDPA): causal self-attention without a cache prefix (q_len == kv_len,
-  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA through
-  ``repeat_kv``); everything else runs transformers' SDPA path.
+  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA in the kernel: k and v
+  keep their kv heads); everything else runs transformers' SDPA path.
 
 A call outside an op's domain (dtype, sizes, eps, activation) runs transformers' own code for that call; each
 reason is logged once (logger ``kernelpack.integrations.transformers``) and counted in :data:`FALLBACKS`.
@@ -23,6 +23,7 @@ version switch drops the model's compiled call (``torch.compile`` / CUDA graphs)
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from collections import Counter
@@ -46,11 +47,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 TokenWindow = tuple[int, int | None]  # (fewest, most) tokens per call that run the kernel; None: no ceiling
-# Where the kernels were measured at least as fast as transformers' code compiled the same way (H100,
-# Llama-3-8B layer shapes, bf16, torch.compile + CUDA graphs; docs/gpu.md "Serving"): decode-sized calls.
-# Attention is left to SDPA (the prefill kernel was slower than SDPA at 2k tokens and level at 8k).
-MEASURED_KINDS = ("rmsnorm", "mlp", "rope")
-MEASURED_POLICY: dict[str, TokenWindow] = {"rmsnorm": (8, 512), "mlp": (8, 512), "rope": (8, 512)}
+KIND_OPS = {"rmsnorm": "add_rmsnorm", "mlp": "swiglu", "rope": "rope", "attention": "flash_attn"}
 
 FALLBACKS: Counter[tuple[str, str]] = Counter()  # (kind, reason) -> calls that ran transformers' code
 _logged: set[tuple[str, str]] = set()
@@ -70,9 +67,14 @@ def _fallback(kind: str, reason: str) -> None:
 
 
 def _policy_reason(module: nn.Module, kind: str, tokens: int) -> str | None:
+    """Why a call of ``tokens`` tokens runs transformers' code by policy: outside the window ``apply_kernels``
+    was given for ``kind``, or else outside the windows where the serving bundle says its kernel wins on this
+    arch (its manifest's ``wins`` table; none shipped for the arch: the kernel runs)."""
     window = module.__dict__.get("_kernelctl_policy", {}).get(kind)
     if window is None:
-        return None
+        if torch_ops.kernel_wins(KIND_OPS[kind], tokens):
+            return None
+        return f"policy: the serving bundle measured {KIND_OPS[kind]} slower than the baseline at this call's size"
     lo, hi = window
     if tokens < lo or (hi is not None and tokens > hi):
         return f"policy: calls outside [{lo}, {hi if hi is not None else 'inf'}] tokens run transformers' code"
@@ -87,8 +89,8 @@ def _dtype_reason(op_domain: Any, dtype: torch.dtype) -> str | None:
 # ---------------------------------------------------------------------------------------------- add + RMSNorm
 def _rmsnorm_reason(x: torch.Tensor, norm: nn.Module) -> str | None:
     eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or abs(eps - _add_rmsnorm_mod.EPS) > 1e-12:
-        return f"RMSNorm eps {eps} differs from the kernel's fixed {_add_rmsnorm_mod.EPS}"
+    if eps is None or not _add_rmsnorm_mod.DOMAIN.params["eps"].contains(eps):
+        return f"RMSNorm eps {eps} outside the kernel's domain"
     if norm.weight.dtype != x.dtype:
         return f"RMSNorm weight dtype {norm.weight.dtype} differs from the activations' {x.dtype}"
     hidden = x.shape[-1]
@@ -106,18 +108,25 @@ def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
         h = residual + x
         return norm(h), h
     shape = x.shape
-    y, h = torch.ops.kernelctl.add_rmsnorm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight)
+    y, h = torch.ops.kernelctl.add_rmsnorm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight,
+                                           float(norm.variance_epsilon))
     return y.view(shape), h.view(shape)
 
 
+def _cache_kwarg(ml: types.ModuleType) -> str:
+    """The name transformers' Llama layers give the KV cache argument: ``cache`` since 5.24, before that
+    ``past_key_values`` (5.24 still accepts the old name, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(ml.LlamaAttention.forward).parameters else "past_key_values"
+
+
 def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
-                           position_ids: Any = None, past_key_values: Any = None, use_cache: bool | None = False,
+                           position_ids: Any = None, use_cache: bool | None = False,
                            position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     attn_out, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                                 position_embeddings=position_embeddings, **kwargs)
+                                 position_ids=position_ids, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)  # the cache among kwargs
     normed, hidden_states = _add_rmsnorm(attn_out, residual, self.post_attention_layernorm, self)
     return hidden_states + self.mlp(normed)
 
@@ -158,8 +167,13 @@ def _half_table(t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
 def _make_attention_forward(ml: types.ModuleType):
     """The Llama attention forward of transformers' modeling module ``ml`` with rope on kernelctl.rope."""
 
+    cache_kw = _cache_kwarg(ml)
+
     def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
-                attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+                attention_mask: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        cache = kwargs.pop(cache_kw, None)
+        if cache is None and cache_kw == "cache":  # a caller still using the old name
+            cache = kwargs.pop("past_key_values", None)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)  # (batch, seq, heads, head_dim): the op's layout
@@ -178,8 +192,9 @@ def _make_attention_forward(ml: types.ModuleType):
         else:
             _fallback("rope", why)
             q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = (cache.update(k, v, self.layer_idx, kwargs=kwargs) if cache_kw == "cache"
+                    else cache.update(k, v, self.layer_idx))
         attention_interface = ml.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, ml.eager_attention_forward)
         attn_output, attn_weights = attention_interface(
@@ -201,6 +216,8 @@ def _flash_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, att
         return "non-causal attention"
     if dropout:
         return "attention dropout"
+    if query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} kv heads"
     d = query.shape[-1]
     if d not in _flash_mod.HEAD_DIMS:
         return f"head_dim {d} not in the kernel's {_flash_mod.HEAD_DIMS}"
@@ -213,7 +230,7 @@ def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``kernelctl.flash_attn`` where it applies, else SDPA."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     why = _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
         module, "attention", query.shape[0] * query.shape[2])
@@ -221,9 +238,7 @@ def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         _fallback("attention", why)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    rep = query.shape[1] // key.shape[1]
-    o = torch.ops.kernelctl.flash_attn(query.contiguous(), repeat_kv(key, rep).contiguous(),
-                                       repeat_kv(value, rep).contiguous())
+    o = torch.ops.kernelctl.flash_attn(query.contiguous(), key.contiguous(), value.contiguous())  # GQA in-kernel
     return o.transpose(1, 2).contiguous(), None
 
 
@@ -272,10 +287,12 @@ def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
                   policy: Mapping[str, TokenWindow] | None = None) -> dict[str, int]:
     """Patch ``model`` (a Llama-family transformers model) in place; returns the modules replaced per kind.
 
-    ``kinds`` selects among ``rmsnorm``, ``mlp``, ``rope`` and ``attention`` (default: all). ``policy`` maps a
-    kind to the window of tokens per call (batch x sequence) where its kernel runs; other calls run
-    transformers' code (e.g. :data:`MEASURED_POLICY`; default: everywhere in the kernel's domain). Under
-    ``torch.compile`` the choice is made at trace time (static shapes), so it costs nothing per call.
+    ``kinds`` selects among ``rmsnorm``, ``mlp``, ``rope`` and ``attention`` (default: all). By default a call
+    runs the kernel where the version serving the op says it wins on this arch (its manifest's ``wins`` table,
+    per arch, measured against the baseline a serving team runs: docs/serving.md), and everywhere in the
+    kernel's domain where the bundle ships no table for the arch. ``policy`` overrides that per kind with a
+    window of tokens per call (batch x sequence) where the kernel runs. Under ``torch.compile`` the choice is
+    made at trace time (static shapes), so it costs nothing per call.
     Applying twice replaces nothing new (the counts of the second call are 0)."""
     kinds = set(kinds)
     unknown = (kinds | set(policy or {})) - set(KINDS)

@@ -2,7 +2,8 @@
 
 Owns op ``add_layernorm``: Triton kernel, float64 reference and eager PyTorch version, tolerances. Returns
 ``(y, h)`` like ``add_rmsnorm`` (h rounded to the input dtype is what gets normalized, as in the eager code);
-eps is fixed at 1e-5. The row tile, host code, domain, shapes and launch configs are shared with
+eps is a run-time argument (input ``"eps"``, default 1e-5, the value older versions had fixed). The row
+tile, host code, domain, shapes and launch configs are shared with
 ``add_rmsnorm`` in the sibling module ``norm_common`` (``make_norm_op``; a bundle carries it along).
 """
 
@@ -17,7 +18,7 @@ import kernelpack.kernels.spec as spec
 from . import norm_common as norm
 
 NAME = "add_layernorm"
-EPS = 1e-5
+EPS = 1e-5  # the default eps (the value older versions had fixed)
 DEFAULT_CONFIG = norm.DEFAULT_CONFIG
 TUNING_SPACE = norm.TUNING_SPACE  # launch configs an arch-specific tuning sweep tries; all must be correct
 
@@ -44,22 +45,24 @@ def _add_layernorm_fwd(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_rows, n_cols,
 def reference(inputs: spec.Inputs) -> spec.Outputs:
     h = inputs["x"].double() + inputs["residual"].double()
     d = h - h.mean(-1, keepdim=True)
-    y = d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + EPS) * inputs["weight"].double()
+    y = d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + DOMAIN.param(inputs, "eps")) * inputs["weight"].double()
     y = y + inputs["bias"].double()
     return (y, h)
 
 
 def eager(inputs: spec.Inputs) -> spec.Outputs:
     h = inputs["x"] + inputs["residual"]
-    y = torch.nn.functional.layer_norm(h, (h.shape[-1],), inputs["weight"], inputs["bias"], EPS)
+    y = torch.nn.functional.layer_norm(h, (h.shape[-1],), inputs["weight"], inputs["bias"],
+                                       DOMAIN.param(inputs, "eps"))
     return (y, h)
 
 
 OP = norm.make_norm_op(
-    NAME, _add_layernorm_fwd, EPS, ("weight", "bias"), reference, eager,
+    NAME, _add_layernorm_fwd, norm.eps_param(EPS), ("weight", "bias"), reference, eager,
     description="h = x + residual; y = layernorm(h) * weight + bias; returns (y, h) in one pass",
     notes="x, residual (tokens, hidden), weight and bias (hidden,) of one dtype, contiguous; hidden <= 16384 "
-    "(a row lives in registers) and a multiple of 8; eps = 1e-5; biased variance as torch.layer_norm.",
+    "(a row lives in registers) and a multiple of 8; eps a run-time float in [1e-12, 0.1] (default 1e-5); "
+    "biased variance as torch.layer_norm.",
     tolerances={"fp32": spec.Tolerance(1e-5, 1e-5), "fp16": spec.Tolerance(2e-3, 2e-3),
                 "bf16": spec.Tolerance(1.6e-2, 1.6e-2)},
     bytes_moved=lambda shape, dtype: (4 * shape["tokens"] * shape["hidden"] + 2 * shape["hidden"])

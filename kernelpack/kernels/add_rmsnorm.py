@@ -2,7 +2,8 @@
 
 Owns op ``add_rmsnorm``: Triton kernel, float64 reference, eager PyTorch version and tolerances. Returns
 ``(y, h)``: the normalized output and the updated residual (h rounded to the input dtype, which is also what
-gets normalized, as in vLLM's fused_add_rms_norm). eps is fixed at 1e-6. Each program holds whole rows in
+gets normalized, as in vLLM's fused_add_rms_norm). eps is a run-time argument (input ``"eps"``, default 1e-6;
+an older bundle's op, which had it fixed at 1e-6, serves only that value). Each program holds whole rows in
 registers (one read of x and residual, one write of y and h). The row tile, host code, domain, shapes and
 launch configs are shared with ``add_layernorm`` in the sibling module ``norm_common``.
 """
@@ -20,7 +21,7 @@ import kernelpack.kernels.spec as spec
 from . import norm_common
 
 NAME = "add_rmsnorm"
-EPS = 1e-6
+EPS = 1e-6  # the default eps (the value older versions had fixed)
 DEFAULT_CONFIG = norm_common.DEFAULT_CONFIG
 TUNING_SPACE = norm_common.TUNING_SPACE  # launch configs an arch-specific tuning sweep tries; all must be correct
 
@@ -44,22 +45,22 @@ _block_n = norm_common.block_n
 
 def reference(inputs: spec.Inputs) -> spec.Outputs:
     h = inputs["x"].double() + inputs["residual"].double()
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * inputs["weight"].double()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + DOMAIN.param(inputs, "eps")) * inputs["weight"].double()
     return (y, h)
 
 
 def eager(inputs: spec.Inputs) -> spec.Outputs:
     h = inputs["x"] + inputs["residual"]
     hf = h.float()
-    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype) * inputs["weight"]
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + DOMAIN.param(inputs, "eps"))).to(h.dtype) * inputs["weight"]
     return (y, h)
 
 
 OP = norm_common.make_norm_op(
-    NAME, _add_rmsnorm_fwd, EPS, ("weight",), reference, eager,
+    NAME, _add_rmsnorm_fwd, norm_common.eps_param(EPS), ("weight",), reference, eager,
     description="h = x + residual; y = rmsnorm(h) * weight; returns (y, h) in one pass",
     notes="x, residual (tokens, hidden) and weight (hidden,) of one dtype, contiguous; hidden <= 16384 "
-    "(a row lives in registers) and a multiple of 8; eps = 1e-6.",
+    "(a row lives in registers) and a multiple of 8; eps a run-time float in [1e-12, 0.1] (default 1e-6).",
     tolerances={"fp32": spec.Tolerance(1e-5, 1e-5), "fp16": spec.Tolerance(2e-3, 2e-3),
                 "bf16": spec.Tolerance(1.6e-2, 1.6e-2)},
     bytes_moved=lambda shape, dtype: (4 * shape["tokens"] * shape["hidden"] + shape["hidden"])

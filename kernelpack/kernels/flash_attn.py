@@ -1,8 +1,9 @@
 """Causal flash-attention forward for head_dim 64 and 128: ``o = softmax(q k^T / sqrt(d) + causal) v``.
 
 Owns op ``flash_attn``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
-q, k, v, o are (batch, heads, seq, head_dim), contiguous, one dtype (fp16 or bf16), self-attention with
-q_len == kv_len (prefill), no GQA; scale is 1/sqrt(head_dim). Online softmax in fp32, P rounded to the input
+q and o are (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) with heads a multiple of
+kv_heads (grouped-query attention: query head h reads kv head h // (heads / kv_heads), no copies), contiguous,
+one dtype (fp16 or bf16), self-attention with q_len == kv_len (prefill); scale is 1/sqrt(head_dim). Online softmax in fp32, P rounded to the input
 dtype before the P@V product (as FlashAttention does). Each program owns BLOCK_M queries of one (batch, head)
 and walks the key blocks left of the diagonal unmasked, then the diagonal blocks masked. The config's
 BLOCK_M / BLOCK_N are upper bounds: a sequence shorter than a tile gets max(16, next_power_of_2(seq)).
@@ -62,14 +63,15 @@ def _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d,
 
 
 @triton.jit
-def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale,
+def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     INTERPRETED: tl.constexpr):
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key blocks) query blocks first
-    base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM
+    base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM  # (batch, head) of q and o
+    kv_base = (tl.program_id(1) // group).to(tl.int64) * seq * HEAD_DIM  # its (batch, kv head): GQA
     q_ptr += base
-    k_ptr += base
-    v_ptr += base
+    k_ptr += kv_base
+    v_ptr += kv_base
     o_ptr += base
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -109,21 +111,25 @@ def shape_of(inputs: spec.Inputs) -> spec.Shape:
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     if q.dim() != 4:
         raise spec.DomainError(f"{NAME}: q must be 4-D (batch, heads, seq, head_dim), got shape {tuple(q.shape)}")
+    b, h, s, d = q.shape
     for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise spec.DomainError(f"{NAME}: {name} shape {tuple(t.shape)} must equal q shape {tuple(q.shape)} "
-                              "(self-attention, no GQA)")
+        if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (b, s, d) or t.shape[1] != k.shape[1]:
+            raise spec.DomainError(f"{NAME}: {name} shape {tuple(t.shape)} must be (batch, kv_heads, seq, head_dim) "
+                                   f"with q's batch, seq and head_dim {(b, s, d)} (self-attention)")
         if t.dtype != q.dtype or t.device != q.device:
             raise spec.DomainError(f"{NAME}: {name} ({t.dtype}, {t.device}) must match q ({q.dtype}, {q.device})")
-    b, h, s, d = q.shape
+    if h % k.shape[1]:
+        raise spec.DomainError(f"{NAME}: heads={h} must be a multiple of kv_heads={k.shape[1]} (GQA)")
     if d not in HEAD_DIMS:
         raise spec.DomainError(f"{NAME}: head_dim={d} not supported; supported: {HEAD_DIMS}")
-    return {"batch": b, "heads": h, "seq": s, "head_dim": d}
+    return {"batch": b, "heads": h, "kv_heads": k.shape[1], "seq": s, "head_dim": d}
 
 
 def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> spec.Inputs:
-    dims = (shape["batch"], shape["heads"], shape["seq"], shape["head_dim"])
-    return {n: torch.randn(*dims, generator=gen, device=gen.device).to(device, dtype) for n in ("q", "k", "v")}
+    b, s, d = shape["batch"], shape["seq"], shape["head_dim"]
+    kv = shape.get("kv_heads", shape["heads"])
+    return {n: torch.randn(b, heads, s, d, generator=gen, device=gen.device).to(device, dtype)
+            for n, heads in (("q", shape["heads"]), ("k", kv), ("v", kv))}
 
 
 def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
@@ -142,7 +148,7 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
     cap = max(16, triton.next_power_of_2(s))
     bm, bn = min(cfg["BLOCK_M"], cap), min(cfg["BLOCK_N"], cap)
     _flash_attn_fwd[(triton.cdiv(s, bm), b * h)](
-        q, k, v, o, s, LOG2E / d**0.5, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+        q, k, v, o, s, LOG2E / d**0.5, h // k.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
         INTERPRETED=q.device.type == "cpu", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -151,15 +157,22 @@ def _causal(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()
 
 
+def _expand_kv(inputs: spec.Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, and k, v repeated to q's heads (GQA: kv head j serves query heads j*group .. (j+1)*group - 1)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    group = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def reference(inputs: spec.Inputs) -> spec.Outputs:
-    q, k, v = (inputs[n].double() for n in ("q", "k", "v"))
+    q, k, v = (t.double() for t in _expand_kv(inputs))
     sc = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
     sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
     return (torch.softmax(sc, dim=-1) @ v,)
 
 
 def eager(inputs: spec.Inputs) -> spec.Outputs:
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    q, k, v = _expand_kv(inputs)
     sc = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     sc = sc.masked_fill(~_causal(q.shape[2], sc.device), float("-inf"))
     return (torch.softmax(sc.float(), dim=-1).to(q.dtype) @ v,)
@@ -167,7 +180,8 @@ def eager(inputs: spec.Inputs) -> spec.Outputs:
 
 def bytes_moved(shape: spec.Shape, dtype: torch.dtype) -> int:
     es = torch.empty((), dtype=dtype).element_size()
-    return 4 * shape["batch"] * shape["heads"] * shape["seq"] * shape["head_dim"] * es
+    heads = 2 * shape["heads"] + 2 * shape.get("kv_heads", shape["heads"])  # q, o; k, v
+    return heads * shape["batch"] * shape["seq"] * shape["head_dim"] * es
 
 
 def flops(shape: spec.Shape) -> int:
@@ -176,7 +190,8 @@ def flops(shape: spec.Shape) -> int:
 
 
 def fuzz(rng: random.Random) -> spec.Shape:
-    return {"batch": rng.randint(1, 2), "heads": rng.randint(1, 2), "seq": rng.randint(1, 150),
+    kv, group = rng.randint(1, 2), rng.choice((1, 1, 2, 4))
+    return {"batch": rng.randint(1, 2), "heads": kv * group, "kv_heads": kv, "seq": rng.randint(1, 150),
             "head_dim": rng.choice(HEAD_DIMS)}
 
 
@@ -184,7 +199,7 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per supported head_dim (the GPU path: INTERPRETED=False)."""
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
-    sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32",
+    sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32", "group": "i32",
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
     return [spec.AotSpec(_flash_attn_fwd, sig,
                     {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "INTERPRETED": False},
@@ -194,11 +209,11 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
 HEAD_DIMS = (64, 128)
 DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16"),
-    dims={"batch": spec.DimRange(1, 4096), "heads": spec.DimRange(1, 256), "seq": spec.DimRange(1, 65536),
-          "head_dim": spec.DimRange(64, 128, 64)},
-    notes="q, k, v (batch, heads, seq, head_dim) contiguous, one dtype (fp16/bf16), q_len == kv_len, "
-    "no GQA, head_dim 64 or 128, scale 1/sqrt(head_dim), causal (top-left aligned); |q|, |k|, |v| <= 1e18 "
-    "so that every score q.k fits in float32.",
+    dims={"batch": spec.DimRange(1, 4096), "heads": spec.DimRange(1, 256), "kv_heads": spec.DimRange(1, 256),
+          "seq": spec.DimRange(1, 65536), "head_dim": spec.DimRange(64, 128, 64)},
+    notes="q (batch, heads, seq, head_dim), k, v (batch, kv_heads, seq, head_dim), heads a multiple of kv_heads "
+    "(GQA), contiguous, one dtype (fp16/bf16), q_len == kv_len, head_dim 64 or 128, scale 1/sqrt(head_dim), "
+    "causal (top-left aligned); |q|, |k|, |v| <= 1e18 so that every score q.k fits in float32.",
     max_abs=1e18,
 )
 
@@ -206,11 +221,11 @@ OP = spec.module_op(
     globals(),
     description="causal flash-attention forward (online softmax, no scores in memory), head_dim 64/128",
     tolerances={"fp16": spec.Tolerance(4e-3, 4e-3), "bf16": spec.Tolerance(2e-2, 2e-2)},
-    test_shapes=({"batch": 1, "heads": 2, "seq": 37, "head_dim": 64},
-                 {"batch": 1, "heads": 1, "seq": 200, "head_dim": 128}),
-    decode_shapes=tuple({"batch": 1, "heads": 32, "seq": t, "head_dim": 128} for t in (1, 16, 64, 256)),
-    prefill_shapes=({"batch": 4, "heads": 32, "seq": 2048, "head_dim": 128},
-                    {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 128},
-                    {"batch": 1, "heads": 32, "seq": 16384, "head_dim": 128},
-                    {"batch": 1, "heads": 32, "seq": 8192, "head_dim": 64}),
+    test_shapes=({"batch": 1, "heads": 4, "kv_heads": 2, "seq": 37, "head_dim": 64},
+                 {"batch": 1, "heads": 1, "kv_heads": 1, "seq": 200, "head_dim": 128}),
+    decode_shapes=tuple({"batch": 1, "heads": 32, "kv_heads": 8, "seq": t, "head_dim": 128} for t in (1, 16, 64, 256)),
+    prefill_shapes=({"batch": 4, "heads": 32, "kv_heads": 8, "seq": 2048, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "kv_heads": 8, "seq": 8192, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "kv_heads": 8, "seq": 16384, "head_dim": 128},
+                    {"batch": 1, "heads": 32, "kv_heads": 8, "seq": 8192, "head_dim": 64}),
 )

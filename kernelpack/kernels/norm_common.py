@@ -36,6 +36,9 @@ def residual_tile(x_ptr, r_ptr, h_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BL
     return h.to(tl.float32), offs, mask, cols, cmask
 
 
+ROW_SCALES = (1.0, 1e-2, 2e-3)  # magnitudes of the rows make_inputs draws, cycled over the tokens
+
+
 def block_n(hidden: int) -> int:
     return max(16, triton.next_power_of_2(hidden))
 
@@ -47,12 +50,18 @@ PARAMS: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
 }
 
 
-def make_norm_op(name: str, kernel: Any, eps: float, params: tuple[str, ...],
+def eps_param(default: float) -> spec.Param:
+    """The norm's eps, a run-time argument (Llama-3 checkpoints use 1e-5, Llama-2 and Qwen 1e-6, BERT 1e-12)."""
+    return spec.Param(default=default, lo=1e-12, hi=0.1, samples=(default, 1e-5 if default != 1e-5 else 1e-6))
+
+
+def make_norm_op(name: str, kernel: Any, eps: spec.Param, params: tuple[str, ...],
                  reference: Callable[[spec.Inputs], spec.Outputs], eager: Callable[[spec.Inputs], spec.Outputs],
                  **fields: Any) -> spec.KernelOp:
     """A fused residual-add + norm op: ``kernel(x, r, *params, y, h, n_rows, n_cols, eps, BLOCK_M, BLOCK_N)``
-    with per-column ``params`` (keys of :data:`PARAMS`), returning ``(y, h)``. ``fields``: the op's description,
-    domain notes (``notes``), tolerances, ``bytes_moved`` and ``flops``."""
+    with per-column ``params`` (keys of :data:`PARAMS`) and the run-time parameter ``eps`` (input ``"eps"``, a
+    float; :func:`eps_param`), returning ``(y, h)``. ``fields``: the op's description, domain notes (``notes``),
+    tolerances, ``bytes_moved`` and ``flops``."""
 
     def shape_of(inputs: spec.Inputs) -> spec.Shape:
         shape = spec.same_layout(name, {"x": inputs["x"], "residual": inputs["residual"]}, ("tokens", "hidden"))
@@ -69,15 +78,19 @@ def make_norm_op(name: str, kernel: Any, eps: float, params: tuple[str, ...],
                     gen: torch.Generator) -> spec.Inputs:
         t, h = shape["tokens"], shape["hidden"]
         g = gen.device
-        inputs = {k: torch.randn(t, h, generator=gen, device=g).to(device, dtype) for k in ("x", "residual")}
+        # rows of three magnitudes: at 1e-2 and 2e-3 a row's mean square is near eps, so the output depends on
+        # the eps the kernel is given (an op that ignored it would pass on unit-scale rows alone)
+        scale = torch.tensor(ROW_SCALES, device=g)[torch.arange(t, device=g) % len(ROW_SCALES)][:, None]
+        inputs = {k: (scale * torch.randn(t, h, generator=gen, device=g)).to(device, dtype) for k in ("x", "residual")}
         for p in params:
             inputs[p] = PARAMS[p][1](torch.randn(h, generator=gen, device=g)).to(device, dtype)
-        return inputs
+        return {**inputs, **spec.draw_params(domain, gen)}
 
     domain = spec.Domain(
         dtypes=("fp16", "bf16", "fp32"),
         dims={"tokens": spec.DimRange(1, 1 << 20), "hidden": spec.DimRange(8, 16384, 8)},
         notes=fields.pop("notes"),
+        params={"eps": eps},
     )
 
     def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> None:
@@ -89,7 +102,7 @@ def make_norm_op(name: str, kernel: Any, eps: float, params: tuple[str, ...],
         t, n = x.shape
         bm = min(cfg["BLOCK_M"], triton.next_power_of_2(t))  # BLOCK_M is an upper bound: few tokens, fewer rows
         kernel[(triton.cdiv(t, bm),)](
-            x, inputs["residual"], *(inputs[p] for p in params), y, h, t, n, eps, BLOCK_M=bm,
+            x, inputs["residual"], *(inputs[p] for p in params), y, h, t, n, domain.param(inputs, "eps"), BLOCK_M=bm,
             BLOCK_N=block_n(n), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 

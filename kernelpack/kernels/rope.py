@@ -90,6 +90,30 @@ def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen
     }
 
 
+def llama3_inv_freq(head_dim: int, theta: float = 500000.0, factor: float = 8.0, low: float = 1.0,
+                    high: float = 4.0, original: int = 8192) -> torch.Tensor:
+    """Llama-3's rotary frequencies (``rope_scaling = {"rope_type": "llama3", ...}``, float64): long wavelengths
+    divided by ``factor``, short ones kept, the band between smoothed. Scaling and theta only change the tables
+    a caller passes (transformers computes them), so the kernel takes any of them; the op's edge inputs use
+    these so that a trial checks Llama-3's tables at positions up to 128k."""
+    inv = theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float64) * 2 / head_dim)
+    wavelen = 2 * torch.pi / inv
+    scaled = torch.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def edge_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> list[tuple[str, spec.Inputs]]:
+    """Llama-3 tables (theta 500000, llama3 scaling) at the last positions of a 128k context."""
+    inputs = make_inputs(shape, dtype, device, gen)
+    pos = torch.arange(131072 - shape["tokens"], 131072, dtype=torch.float64)[:, None]
+    ang = pos * llama3_inv_freq(shape["head_dim"])[None, :]
+    return [("llama3_tables", {**inputs, "cos": torch.cos(ang).to(device, dtype),
+                               "sin": torch.sin(ang).to(device, dtype)})]
+
+
 def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["q"]), torch.empty_like(inputs["k"]))
 
@@ -169,6 +193,7 @@ DOMAIN = spec.Domain(
 OP = spec.module_op(
     globals(),
     description="rotary embedding of q and k (rotate-half form) in one launch, out-of-place",
+    edge_inputs=edge_inputs,
     tolerances={"fp32": spec.Tolerance(1e-5, 1e-5), "fp16": spec.Tolerance(2e-3, 2e-3), "bf16": spec.Tolerance(1.6e-2, 1.6e-2)},
     test_shapes=({"tokens": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 32},
                  {"tokens": 2, "q_heads": 20, "kv_heads": 20, "head_dim": 48}),

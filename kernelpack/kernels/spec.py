@@ -11,6 +11,7 @@ checks). Helpers every op module shares live here: :func:`launch_config` (launch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16,
 TRITON_DTYPES: dict[str, str] = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 Shape = dict[str, int]  # named problem dimensions, e.g. {"tokens": 8192, "hidden": 4096}
-Inputs = dict[str, torch.Tensor]
+Inputs = dict[str, Any]  # input tensors by name, plus the op's scalar parameters (``Domain.params``) by name
 Outputs = tuple[torch.Tensor, ...]
 LaunchConfig = Mapping[str, Any]  # per-arch launch parameters from the manifest (BLOCK sizes, num_warps, ...)
 
@@ -60,6 +61,27 @@ class DimRange:
 
 
 @dataclass(frozen=True)
+class Param:
+    """A scalar argument a model sets at run time (a norm's eps): a float in ``[lo, hi]``, passed to the kernel.
+
+    ``default`` is what the operator passes when the caller gives none, and what an op built before the
+    parameter existed computes with (it took the value as a constant); ``samples`` are the values an op's
+    ``make_inputs`` cycles through with the generator's seed (:func:`draw_params`), so the harness's
+    consecutive seeds (golden vectors, fuzzing, edge values) check every one of them."""
+
+    default: float
+    lo: float
+    hi: float
+    samples: tuple[float, ...]
+
+    def contains(self, v: float) -> bool:
+        return isinstance(v, (int, float)) and math.isfinite(v) and self.lo <= v <= self.hi
+
+    def to_json(self) -> dict[str, Any]:
+        return {"default": self.default, "lo": self.lo, "hi": self.hi, "samples": list(self.samples)}
+
+
+@dataclass(frozen=True)
 class Domain:
     """Documented limitations of a kernel; calls outside it fall back to the reference (or are refused)."""
 
@@ -70,8 +92,10 @@ class Domain:
     # largest input magnitude the op is specified for (None: the dtype's limits); the edge-value check caps
     # its near-limit inputs here. Part of the numeric contract (recorded in the manifest's limitations).
     max_abs: float | None = None
+    # the op's scalar arguments (model parameters such as eps), by name; recorded in the manifest's limitations
+    params: Mapping[str, Param] = field(default_factory=dict)
 
-    def check(self, dtype: torch.dtype, shape: Shape, tensors: Mapping[str, torch.Tensor] = ()) -> None:
+    def check(self, dtype: torch.dtype, shape: Shape, tensors: Mapping[str, Any] = ()) -> None:
         names = {v: k for k, v in DTYPES.items()}
         if names.get(dtype) not in self.dtypes:
             raise DomainError(f"dtype {dtype} not in domain {self.dtypes}")
@@ -82,10 +106,13 @@ class Domain:
                 raise DomainError(
                     f"{dim}={shape[dim]} outside [{rng.lo}, {rng.hi}] (multiple of {rng.multiple_of})"
                 )
-        if self.contiguous:
-            for name, t in dict(tensors).items():
-                if not t.is_contiguous():
+        for name, t in dict(tensors).items():
+            if isinstance(t, torch.Tensor):
+                if self.contiguous and not t.is_contiguous():
                     raise DomainError(f"input {name!r} is not contiguous")
+            elif name in self.params and not self.params[name].contains(t):
+                p = self.params[name]
+                raise DomainError(f"{name}={t!r} outside [{p.lo:g}, {p.hi:g}]")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,7 +121,35 @@ class Domain:
             "contiguous": self.contiguous,
             "notes": self.notes,
             **({"max_abs": self.max_abs} if self.max_abs is not None else {}),
+            **({"params": {k: p.to_json() for k, p in self.params.items()}} if self.params else {}),
         }
+
+    def param(self, inputs: Mapping[str, Any], name: str) -> float:
+        """The value of parameter ``name`` in ``inputs`` (its default when the caller gave none: inputs stored
+        before the parameter existed, such as an older bundle's golden vectors)."""
+        return float(inputs.get(name, self.params[name].default))
+
+
+def draw_params(domain: Domain, gen: torch.Generator) -> dict[str, float]:
+    """One sample of each of ``domain``'s parameters, chosen by the generator's seed (seed ``i`` takes sample
+    ``i mod n``): the harness draws shape ``i`` from seed ``base + i``, so a run over consecutive seeds checks every
+    sample, and the same seed always gives the same value."""
+    seed = gen.initial_seed()
+    return {k: p.samples[seed % len(p.samples)] for k, p in domain.params.items()}
+
+
+def call_inputs(op: KernelOp, inputs: Mapping[str, Any], contract: Mapping[str, Param]) -> Inputs | None:
+    """``inputs`` as ``op`` takes them: the tensors and the parameters it declares. ``None`` when ``inputs``
+    give a parameter ``op`` does not take a value other than ``contract``'s default (an op built before the
+    parameter existed computes with the default only: it cannot serve that call)."""
+    mine = op.domain.params
+    out: Inputs = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) or k in mine:
+            out[k] = v
+        elif k in contract and float(v) != contract[k].default:
+            return None
+    return out
 
 
 @dataclass(frozen=True)
@@ -144,7 +199,7 @@ class KernelOp:
     edge_inputs: Callable[[Shape, torch.dtype, torch.device, torch.Generator], list[tuple[str, Inputs]]] | None = None
 
     def __call__(self, inputs: Inputs, config: LaunchConfig | None = None) -> Outputs:
-        t0 = next(iter(inputs.values()))
+        t0 = first_tensor(inputs)
         try:
             self.domain.check(t0.dtype, self.shape_of(inputs), inputs)
         except DomainError as exc:
@@ -153,6 +208,11 @@ class KernelOp:
         outs = self.alloc_outputs(inputs)
         self.run(inputs, outs, {**self.default_config, **(config or {})})
         return outs
+
+
+def first_tensor(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The first tensor among an op's inputs (whose dtype and device the call runs in)."""
+    return next(v for v in inputs.values() if isinstance(v, torch.Tensor))
 
 
 def launch_config(op: str, defaults: Mapping[str, int], config: LaunchConfig,

@@ -43,23 +43,27 @@ def make_kpack(key_path: Path, out: Path, *, name: str = "llm-fused", version: s
                torch: str = ">=2.9,<2.15", cuda: tuple[str, ...] = ("12.x",),
                batches: tuple[int, ...] = (1, 4, 16, 64), prefill: tuple[int, ...] = (64, 512, 2048),
                tolerances: dict[str, tuple[float, float]] | None = None,
-               limitations: dict[str, Any] | None = None) -> bytes:
-    """A real signed bundle archive (bytes) with the given targets and traffic profile."""
-    module = "kernels/bias_gelu.py"
+               limitations: dict[str, Any] | None = None, ops: tuple[str, ...] = ("bias_gelu",)) -> bytes:
+    """A real signed bundle archive (bytes) with the given targets, traffic profile and ops (one module each,
+    never imported)."""
+    modules = {op: f"kernels/{op}.py" for op in ops}
     manifest = Manifest(
         schema_version=1, name=name, version=version, note="engine test bundle",
         targets=Targets(archs=list(archs), min_driver=min_driver, cuda=list(cuda), triton=triton, torch=torch),
         traffic=Traffic(decode_batch_sizes=list(batches), prefill_tokens=list(prefill)),
-        kernels=[BuiltKernel(op="bias_gelu", source="kernelpack.kernels.bias_gelu", module=module,
+        kernels=[BuiltKernel(op=op, source=f"kernelpack.kernels.{op}", module=module,
                              limitations=limitations or {}, tolerances={
                                  d: ToleranceEntry(atol=a, rtol=r)
-                                 for d, (a, r) in (tolerances or {"fp16": (1e-3, 1e-3)}).items()})],
-        files={module: FileEntry(sha256=hashlib.sha256(KERNEL_SRC).hexdigest(), size=len(KERNEL_SRC))},
+                                 for d, (a, r) in (tolerances or {"fp16": (1e-3, 1e-3)}).items()})
+                 for op, module in modules.items()],
+        files={m: FileEntry(sha256=hashlib.sha256(KERNEL_SRC).hexdigest(), size=len(KERNEL_SRC))
+               for m in modules.values()},
         artifacts=[], golden=[],
     )
     mb = manifest.to_bytes()
     sig = sign(mb, load_private_key(key_path)).to_bytes()
-    return write_archive(out / f"{name}-{version}.kpack", {"manifest.json": mb, "signature.json": sig, module: KERNEL_SRC})
+    return write_archive(out / f"{name}-{version}.kpack", {"manifest.json": mb, "signature.json": sig,
+                                                          **dict.fromkeys(modules.values(), KERNEL_SRC)})
 
 
 def inventory(arch: str = "sm_90", driver: str = "550.54.15", triton: str = "3.6.0", torch: str = "2.11.0",

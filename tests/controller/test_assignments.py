@@ -68,7 +68,7 @@ def test_label_share_clamp(kit: Kit) -> None:
 def test_fleet_share_counts_all_active_rollouts(kit: Kit) -> None:
     kit.nodes(10)
     kit.push("1.0.0")
-    data = make_kpack(kit.keypair.private_path, kit.tmp, name="attn-fused", version="1.0.0")
+    data = make_kpack(kit.keypair.private_path, kit.tmp, name="attn-fused", version="1.0.0", ops=("flash_attn",))
     with kit.tx() as s:
         registry.register_bundle(s, data, actor="op", trusted_keys=kit.trusted)
     rid1, _ = begin(kit, "llm-fused@1.0.0", plan(30, max_fleet_share=0.5))

@@ -2,7 +2,8 @@
 
 ``serve_bundles`` builds ``serve`` 0.1.0 and 0.2.0 (add_rmsnorm, swiglu, rope, flash_attn for sm_90; the same
 kernels, different versions and digests) once per session with the persistent AOT cache. ``serving`` gives a
-fresh runtime directory with 0.1.0 published and points ``torch.ops.kernelctl`` at it.
+fresh runtime directory with 0.1.0 published and points ``torch.ops.kernelctl`` at it (no bundle named: each op
+resolves to the active bundle that provides it).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def serving(tmp_path: Path, keys: Keys, serve_bundles: dict[str, BuildResult]) -
     rt = Runtime(tmp_path / "run", keys.trusted, tmp_path / "cache", arch="sm_90")
     s = Serving(rt, serve_bundles)
     s.publish("0.1.0", stable=None)
-    torch_ops.configure(rt, "serve")
+    torch_ops.configure(rt)  # each op from the active bundle that provides it: here serve
     yield s
     rt.stop_watching()
     torch_ops.configure(None)

@@ -94,3 +94,25 @@ def test_real_op_bias_gelu_golden_roundtrip():
     assert blob == make_golden(OP, "fp16", seed=3)
     res = check_golden(OP, {"BLOCK_N": 64}, blob, device=DEVICE)
     assert len(res) == len(OP.test_shapes) and all(r.passed for r in res)
+    assert read_golden(blob)[0]["format"] == 1  # an op without run-time parameters: the format as before
+
+
+def test_run_time_parameters_are_stored_per_case_and_bind_the_kernel():
+    """add_rmsnorm's eps: consecutive seeds take each sample (1e-6, 1e-5), the blob (format 2) stores it per
+    case, and a kernel that ignores the eps it is given fails the case with eps 1e-5 (rows near eps in size)."""
+    import dataclasses
+
+    from kernelpack.kernels.add_rmsnorm import OP
+
+    blob = make_golden(OP, "fp32", seed=0)
+    header, _ = read_golden(blob)
+    assert header["format"] == 2
+    assert [c["params"] for c in header["cases"]] == [{"eps": 1e-6}, {"eps": 1e-5}]
+    assert all(e["name"] != "eps" for c in header["cases"] for e in c["inputs"])
+    assert all(r.passed for r in check_golden(OP, None, blob, device=DEVICE))
+
+    def ignores_eps(inputs, outs, config):
+        OP.run({k: v for k, v in inputs.items() if k != "eps"}, outs, config)
+
+    res = check_golden(dataclasses.replace(OP, run=ignores_eps), None, blob, device=DEVICE)
+    assert [r.passed for r in res] == [True, True, False, True]  # (case, output): y of the eps 1e-5 case

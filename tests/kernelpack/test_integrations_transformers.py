@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernelpack import torch_ops
+from kernelpack.build import BuildResult, build_bundle
 from kernelpack.integrations import transformers as kt
+from kernelpack.runtime import publish_active
+from kernelpack.scaffold import write_source
 from tests.kernelpack.bundle_fixtures import *  # noqa: F403
+from tests.kernelpack.bundle_fixtures import Keys
 from tests.kernelpack.serving_fixtures import *  # noqa: F403
 from tests.kernelpack.serving_fixtures import Serving
 
@@ -70,15 +76,66 @@ def test_bf16_prefill_runs_flash_attention_and_decode_falls_back(serving: Servin
     assert caplog.text.count("q_len != kv_len") == 1
 
 
+def llama3_config(**kw: object) -> LlamaConfig:
+    """Llama-3's shape in miniature: RMSNorm eps 1e-5, GQA (4 query heads on 2 kv heads), head_dim 64 (128: 8B),
+    rope_theta 500000 with the "llama3" rope scaling (factor 8 over an original 8k context)."""
+    return LlamaConfig(**{**dict(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), **kw})
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@torch.no_grad()
+def test_llama3_shaped_model_runs_every_patched_kind_on_the_bundle(serving: Serving, head_dim: int) -> None:
+    """No fallback anywhere in the prefill: each op's kernel ran once per layer (counted by the runtime's ops),
+    and the logits stay within bf16 tolerance of transformers' own model. A decode step runs the norm, MLP and
+    rope kernels too; its attention (q_len 1 over the cache) is SDPA until a decode kernel ships."""
+    cfg = llama3_config(head_dim=head_dim)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rms_norm_eps == 1e-5
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    base = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref_out = base(ids, use_cache=True)
+    ref = torch.log_softmax(ref_out.logits.float(), -1)
+    assert kt.apply_kernels(model) == {"rmsnorm": 2, "mlp": 2, "rope": 2, "attention": 2}
+    ops = {op: serving.runtime.get_op(op) for op in ("add_rmsnorm", "swiglu", "rope", "flash_attn")}
+    assert {b.bundle for b in ops.values()} == {"serve@0.1.0"}
+    before = {op: b.calls for op, b in ops.items()}
+    kt.FALLBACKS.clear()
+    out = model(ids, use_cache=True)
+    assert not kt.FALLBACKS, kt.FALLBACKS
+    assert {op: b.calls - before[op] for op, b in ops.items()} == dict.fromkeys(ops, 2)  # 2 layers
+    assert all(b.fallbacks == 0 for b in ops.values())
+    diff = (torch.log_softmax(out.logits.float(), -1) - ref).abs().max().item()
+    assert diff < 0.05, diff
+    # the same model without kernelctl's eps would differ: the kernel really normalised with 1e-5
+    x = torch.full((1, 64), 1e-3)
+    y5, _ = torch.ops.kernelctl.add_rmsnorm(x, torch.zeros_like(x), torch.ones(64), 1e-5)
+    y6, _ = torch.ops.kernelctl.add_rmsnorm(x, torch.zeros_like(x), torch.ones(64))
+    assert y5[0, 0] < 0.35 < 0.7 < y6[0, 0]  # 1e-3/sqrt(1e-6+1e-5) vs 1e-3/sqrt(1e-6+1e-6)
+
+    before = {op: b.calls for op, b in ops.items()}
+    nxt = ref_out.logits[:, -1:].argmax(-1)
+    step = model(nxt, past_key_values=out.past_key_values, use_cache=True)  # a decode step: one token each
+    assert {op: b.calls - before[op] for op, b in ops.items()} == {
+        "add_rmsnorm": 2, "swiglu": 2, "rope": 2, "flash_attn": 0}
+    ref_step = base(nxt, past_key_values=ref_out.past_key_values, use_cache=True)  # the step reads the KV cache
+    diff = (torch.log_softmax(step.logits.float(), -1) - torch.log_softmax(ref_step.logits.float(), -1)).abs()
+    assert diff.max().item() < 0.05, diff.max().item()
+
+
 @torch.no_grad()
 def test_out_of_domain_model_falls_back_to_transformers(serving: Serving) -> None:
-    model = tiny_llama(torch.float32, eps=1e-5)  # Llama-3's eps: the kernel's is fixed at 1e-6
+    model = tiny_llama(torch.float32, eps=0.5)  # outside the kernel's eps domain [1e-12, 0.1]
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
     ref = model(ids).logits
     kt.FALLBACKS.clear()
     kt.apply_kernels(model, kinds=("rmsnorm", "mlp"))
     assert torch.allclose(model(ids).logits, ref, atol=1e-5)
-    assert any(k == "rmsnorm" and "eps" in r for k, r in kt.FALLBACKS)
+    assert any(k == "rmsnorm" and "eps 0.5 outside" in r for k, r in kt.FALLBACKS)
     assert model.config._attn_implementation != "kernelctl"
 
 
@@ -92,13 +149,12 @@ def test_rejects_unknown_kinds_and_families() -> None:
 @pytest.mark.gpu
 @torch.no_grad()
 def test_real_shape_llama_logits_on_gpu(serving: Serving) -> None:
-    """Llama-3-8B layer shapes (2 layers, smaller vocab), bf16, prefill of 2 x 512 tokens: every kind runs
-    its kernel (flash attention for the prefill) and the logits match transformers' SDPA model."""
-    import copy
+    """Llama-3-8B (eps 1e-5, llama3 rope scaling, GQA 32/8) layer shapes (2 layers, smaller vocab), bf16,
+    prefill of 2 x 512 tokens: every kind runs its kernel (flash attention for the prefill) and the logits match
+    transformers' SDPA model."""
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                      max_position_embeddings=4096, initializer_range=0.02)
+    cfg = llama3_config(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, initializer_range=0.02)  # Llama-3's eps, rope
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -130,16 +186,47 @@ def test_policy_runs_kernels_only_inside_their_token_window(serving: Serving) ->
     kt.apply_kernels(model, kinds=("mlp",), policy={"mlp": (1, 4)})
     kt.FALLBACKS.clear()
     swiglu = serving.runtime.get_op("swiglu", "serve")
-    before = swiglu.op.run
-    calls: list[int] = []
-    swiglu.op.run = lambda inputs, outs, cfg: (calls.append(inputs["gate"].shape[0]), before(inputs, outs, cfg))
-    try:
-        assert torch.allclose(model(ids).logits, ref, atol=1e-5)  # 14 tokens: transformers' code
-        assert calls == [] and any("policy" in r for k, r in kt.FALLBACKS if k == "mlp")
-        model(ids[:1, :3])  # 3 tokens: the kernel
-        assert calls == [3, 3]  # two layers
-    finally:
-        swiglu.op.run = before
+    calls = swiglu.calls
+    assert torch.allclose(model(ids).logits, ref, atol=1e-5)  # 14 tokens: transformers' code
+    assert swiglu.calls == calls and any("policy" in r for k, r in kt.FALLBACKS if k == "mlp")
+    model(ids[:1, :3])  # 3 tokens: the kernel
+    assert swiglu.calls == calls + 2  # two layers
+
+
+@pytest.fixture(scope="module")
+def serve_wins(tmp_path_factory: pytest.TempPathFactory, keys: Keys, aot_cache: Path) -> BuildResult:
+    """serve 0.3.0: swiglu only, with a wins table: on sm_90 it won only at 1-4 tokens per call."""
+    root = tmp_path_factory.mktemp("serve-wins")
+    src = write_source(root / "src", "serve", "0.3.0", kernels={"swiglu": "kernelpack.kernels.swiglu"},
+                       note="serving test bundle with a wins table", cuda=["12.x", "13.x"], triton="3.6.0",
+                       wins={"swiglu": {"sm_90": [{"lo": 1, "hi": 4}]}})
+    return build_bundle(src, root / "serve-0.3.0.kpack", keys.pair.private_path, cache_dir=aot_cache)
+
+
+@torch.no_grad()
+def test_default_policy_follows_the_bundles_wins_table(serving: Serving, serve_wins: BuildResult) -> None:
+    """No policy given: the kernel runs where the serving version's manifest says it wins on this arch (and
+    everywhere when the version ships no table: the other tests); an explicit window overrides the table."""
+    assert serve_wins.manifest.kernel("swiglu").wins_for("sm_90")[0].hi == 4
+    publish_active(serving.runtime.runtime_dir, "serve", "0.3.0", serve_wins.path, serve_wins.digest)
+    model = tiny_llama(torch.float32)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    ref = model(ids).logits
+    kt.apply_kernels(model, kinds=("mlp",))
+    swiglu = serving.runtime.get_op("swiglu")
+    assert swiglu.bundle == "serve@0.3.0" and swiglu.wins == ((1, 4),)
+    kt.FALLBACKS.clear()
+    calls = swiglu.calls
+    assert torch.allclose(model(ids).logits, ref, atol=1e-5)  # 14 tokens: outside the table, transformers' code
+    assert swiglu.calls == calls
+    assert [r for k, r in kt.FALLBACKS if k == "mlp"] == [
+        "policy: the serving bundle measured swiglu slower than the baseline at this call's size"]
+    model(ids[:1, :3])  # 3 tokens: inside, the kernel
+    assert swiglu.calls == calls + 2
+    forced = tiny_llama(torch.float32)
+    kt.apply_kernels(forced, kinds=("mlp",), policy={"mlp": (1, None)})
+    forced(ids)
+    assert swiglu.calls == calls + 4
 
 
 @torch.no_grad()

@@ -117,15 +117,19 @@ def test_outside_domain_raises_domain_error(mod: str) -> None:
     shape = op.test_shapes[0]
     inputs = op.make_inputs(shape, dtype, DEV, torch.Generator().manual_seed(5))
     # wrong dtype for every tensor of the op's data dtype
-    bad = {k: (v.double() if v.dtype == dtype else v) for k, v in inputs.items()}
+    bad = {k: (v.double() if isinstance(v, torch.Tensor) and v.dtype == dtype else v) for k, v in inputs.items()}
     with pytest.raises(DomainError, match="dtype"):
         op(bad)
     # one tensor non-contiguous (same shape): a transposed copy viewed back
-    name, t = next((k, v) for k, v in inputs.items() if v.dim() >= 2)
+    name, t = next((k, v) for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 2)
     nc = t.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not nc.is_contiguous()
     with pytest.raises(DomainError, match="contiguous"):
         op({**inputs, name: nc})
+    # a run-time parameter outside its declared range (a norm's eps)
+    for pname, p in op.domain.params.items():
+        with pytest.raises(DomainError, match=pname):
+            op({**inputs, pname: p.hi * 2})
     # a dimension outside its declared range
     dim, rng = next((k, r) for k, r in op.domain.dims.items() if r.hi < (1 << 20))
     with pytest.raises(DomainError, match=dim):
@@ -142,7 +146,7 @@ def test_mismatched_input_shapes_are_refused(mod: str) -> None:
     op = OPS[mod]
     dtype = DTYPES[op.domain.dtypes[0]]
     inputs = op.make_inputs(op.test_shapes[0], dtype, DEV, torch.Generator().manual_seed(9))
-    name = list(inputs)[-1]
+    name = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)][-1]
     t = inputs[name]
     bigger = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype) if t.dim() else torch.zeros(2)
     with pytest.raises(DomainError):

@@ -144,3 +144,23 @@ def test_parse_manifest_refuses_garbage_and_non_canonical() -> None:
         parse_manifest(b"[]")
     with pytest.raises(ManifestError, match="schema_version"):
         parse_manifest(b'{"name":"x"}')
+
+
+def test_wins_tables_validate_and_stay_out_of_manifests_without_them(tmp_path: Path) -> None:
+    """The per-arch wins table (docs/serving.md): sorted, non-overlapping windows for target archs; a kernel
+    without one dumps exactly as before the field existed, so manifests signed then still verify."""
+    doc = json.loads(json.dumps(BASE))
+    k = doc["kernels"][0]
+    src = BundleSource.model_validate({**doc, "kernels": [{**k, "wins": {"sm_90": [{"lo": 1, "hi": 64},
+                                                                                   {"lo": 2048}]}}]})
+    wins = src.kernels[0].wins_for("sm_90")
+    assert [(w.lo, w.hi) for w in wins] == [(1, 64), (2048, None)]
+    assert src.kernels[0].wins_for("sm_80") is None and src.kernels[0].wins_for(None) is None
+    assert [w.contains(t) for t in (1, 64, 65, 2047, 2048, 10**6) for w in wins[1:]] == [False] * 4 + [True] * 2
+    for bad, message in (({"sm_75": []}, "not a target arch"), ({"sm_90": [{"lo": 1}, {"lo": 8}]}, "overlap"),
+                         ({"sm_90": [{"lo": 8, "hi": 4}]}, "is empty"), ({"sm_90": [{"lo": 0}]}, "greater")):
+        with pytest.raises(ValueError, match=message):
+            BundleSource.model_validate({**doc, "kernels": [{**k, "wins": bad}]})
+    plain = load_source(write(tmp_path, doc)).kernels[0]
+    assert plain.wins is None
+    assert set(plain.model_dump(mode="json")) == {"op", "source", "entry", "configs", "archs"}  # as before

@@ -16,6 +16,7 @@ import kernelpack.runtime as rt
 from kernelpack.archive import read_archive, write_archive
 from kernelpack.build import BuildResult, build_bundle
 from kernelpack.runtime import ACTIVE_FILE, Runtime, publish_active, read_active
+from kernelpack.scaffold import write_source
 from tests.kernelpack.bundle_fixtures import *  # noqa: F403
 from tests.kernelpack.bundle_fixtures import REPO, Keys, write_tiny_src
 
@@ -144,3 +145,49 @@ def test_switch_is_atomic_for_readers(tmp_path: Path, keys: Keys, tiny_bundle: B
     assert proc.returncode == 0
     assert seen
     assert run.get_op("bias_gelu", bundle="tiny").bundle == "tiny@0.2.0"  # the last one published (i = 199)
+
+
+@pytest.fixture(scope="module")
+def acts(tmp_path_factory: pytest.TempPathFactory, keys: Keys, aot_cache: Path) -> BuildResult:
+    """A second bundle name with another op (swiglu): rolled out independently of ``tiny`` (bias_gelu)."""
+    root = tmp_path_factory.mktemp("acts")
+    src = write_source(root / "src", "acts", "0.1.0", kernels={"swiglu": "kernelpack.kernels.swiglu"},
+                       note="second bundle", triton="3.6.0")
+    return build_bundle(src, root / "acts.kpack", keys.pair.private_path, cache_dir=aot_cache)
+
+
+def test_each_op_is_served_by_the_active_bundle_that_provides_it(tmp_path: Path, keys: Keys,
+                                                                  tiny_bundle: BuildResult, tiny_v2: BuildResult,
+                                                                  acts: BuildResult) -> None:
+    from kernelpack import torch_ops
+
+    run = Runtime(tmp_path / "run", keys.trusted, tmp_path / "cache", arch="sm_90")
+    publish_active(run.runtime_dir, "tiny", "0.1.0", tiny_bundle.path, tiny_bundle.digest)
+    publish_active(run.runtime_dir, "acts", "0.1.0", acts.path, acts.digest)
+    assert run.get_op("bias_gelu").bundle == "tiny@0.1.0"
+    assert run.get_op("swiglu").bundle == "acts@0.1.0"
+    assert run.providers("swiglu") == ["acts"]
+    assert run.get_op("add_rmsnorm").bundle == "reference"  # nobody provides it
+    assert "no active bundle provides add_rmsnorm" in run.reason["add_rmsnorm"]
+    assert run.served_key() == (("acts", acts.digest, ""), ("tiny", tiny_bundle.digest, ""))
+    g, u = torch.randn(3, 16), torch.randn(3, 16)
+    torch_ops.configure(run)  # torch.ops.kernelctl: every op from its provider, no bundle named
+    try:
+        swiglu = run.get_op("swiglu")
+        y = torch.ops.kernelctl.swiglu(g, u)
+        assert torch_ops.last_served("swiglu") == "acts@0.1.0" and swiglu.calls == 1 and swiglu.fallbacks == 0
+        assert torch.allclose(y, torch.nn.functional.silu(g) * u, atol=1e-5)
+        torch.ops.kernelctl.bias_gelu(X["x"], X["bias"])
+        assert torch_ops.last_served("bias_gelu") == "tiny@0.1.0"
+
+        # a third active bundle that also provides bias_gelu: the runtime refuses to choose (PyTorch path)
+        publish_active(run.runtime_dir, "other", "0.2.0", tiny_v2.path, tiny_v2.digest)
+        out = torch.ops.kernelctl.bias_gelu(X["x"], X["bias"])
+        assert torch_ops.last_served("bias_gelu") == "reference"
+        assert "bias_gelu is provided by 2 active bundles (other, tiny): refusing to choose" in run.reason["bias_gelu"]
+        assert torch.allclose(out, run.get_op("bias_gelu").op.eager(X)[0])
+        assert run.get_op("bias_gelu", bundle="other").bundle == "tiny@0.2.0"  # a named bundle still serves
+        torch.ops.kernelctl.swiglu(g, u)
+        assert torch_ops.last_served("swiglu") == "acts@0.1.0"  # the other op is unaffected
+    finally:
+        torch_ops.configure(None)

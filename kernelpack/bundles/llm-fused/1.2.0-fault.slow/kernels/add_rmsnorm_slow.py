@@ -65,7 +65,7 @@ def run(inputs: Inputs, outs: Outputs, config: LaunchConfig) -> None:
     y, h = outs
     t, n = x.shape
     _add_rmsnorm_slow[(t,)](
-        x, r, w, y, h, t, n, base.EPS, BLOCK_N=_block_n(n, cfg["CHUNKS"]), REDUNDANT=cfg["REDUNDANT"],
+        x, r, w, y, h, t, n, base.DOMAIN.param(inputs, "eps"), BLOCK_N=_block_n(n, cfg["CHUNKS"]), REDUNDANT=cfg["REDUNDANT"],
         N_P2=base._block_n(n), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
