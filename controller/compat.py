@@ -33,7 +33,7 @@ from controller.db.models import (
     RolloutStratum,
     StableVersion,
 )
-from kernelctl.vocab import ACTIVE_STATES, CANARY_PHASES, stratum_key
+from kernelctl.vocab import ACTIVE_STATES, CANARY_PHASES, PARTLY_PROMOTED, PROMOTED, ROLLED_BACK, stratum_key
 
 NO_CUDA = frozenset({"", "none", "unknown", "cpu", "n/a"})
 
@@ -210,6 +210,15 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
         select(StableVersion).where(StableVersion.bundle_id.in_(ids)))}
     incompatible = {(i.bundle_id, i.stratum): i.reason for i in session.scalars(
         select(Incompatibility).where(Incompatibility.bundle_id.in_(ids)))}
+    # a stratum rolled back in a rollout that ended (partly) promoted: the version is not revoked, and rollouts
+    # stored before such strata were marked incompatible are read here (never "eligible" where rolled back)
+    for bid, stratum, reason in session.execute(
+        select(Rollout.bundle_id, RolloutStratum.stratum, RolloutStratum.reason)
+        .join(RolloutStratum, RolloutStratum.rollout_id == Rollout.id)
+        .where(Rollout.bundle_id.in_(ids), Rollout.state.in_((PROMOTED, PARTLY_PROMOTED)),
+               RolloutStratum.state == ROLLED_BACK)
+    ):
+        incompatible.setdefault((bid, stratum), reason or "rolled back")
     candidate: dict[tuple[int, str], tuple[int, int]] = {}
     for rid, bid, stratum, step in session.execute(
         select(Rollout.id, Rollout.bundle_id, RolloutStratum.stratum, RolloutStratum.step_index)
