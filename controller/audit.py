@@ -26,6 +26,10 @@ class AuditQueryError(ValueError):
     """A filter value the audit cannot use (unknown node, unparseable time, ...)."""
 
 
+class AuditNotFound(AuditQueryError):
+    """The query names a node or bundle the changelog does not know (the CLI's not-found exit code)."""
+
+
 @dataclass(frozen=True)
 class AuditFilters:
     bundle: str | None = None  # NAME or NAME@VERSION
@@ -115,7 +119,7 @@ def query_events(session: Session, filters: AuditFilters) -> list[Event]:
 def _require_node(session: Session, name: str) -> Node:
     node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
-        raise AuditQueryError(f"unknown node {name!r}")
+        raise AuditNotFound(f"unknown node {name!r}")
     return node
 
 
@@ -155,7 +159,7 @@ def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
         raise AuditQueryError(f"expected NAME@VERSION, got {bundle_ref!r}")
     bundle = session.scalar(select(Bundle).where(and_(Bundle.name == name, Bundle.version == version)))
     if bundle is None:
-        raise AuditQueryError(f"unknown bundle {bundle_ref!r}")
+        raise AuditNotFound(f"unknown bundle {bundle_ref!r}")
     stmt = (
         select(Node.name, Activation.started_at, Activation.ended_at, Activation.rollout_id, Activation.verified_at)
         .join(Node, Node.id == Activation.node_id)

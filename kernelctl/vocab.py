@@ -33,6 +33,9 @@ def step_number(step_index: int) -> int:
     """
     return step_index + 1
 
+# ------------------------------------------------------------------------------------------ nodes
+NODE_STATES = ("active", "stale")  # a node without a heartbeat for stale_after_seconds is stale
+
 # ------------------------------------------------------------------------------------------ canaries
 # Trial before serve: a canary's candidate is staged (trialled, not served), verified (the controller
 # accepted its trials), then serving.

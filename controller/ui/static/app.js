@@ -574,7 +574,7 @@ function compatView(section, params) {
         const c = cell[`${ref}\n${s}`];
         if (!c) return h("td", {}, "-");
         return h("td", {"data-cell": `${ref} ${s}`, title: c.reason || ""}, stateBadge(c.state),
-          c.step !== null && c.step !== undefined ? ` step ${c.step + 1}` : "",
+          c.step !== null && c.step !== undefined ? ` step ${c.step}` : "",
           c.rollout_id ? [" ", h("a", {href: `#/rollouts/${c.rollout_id}`}, `#${c.rollout_id}`)] : "",
           c.phases ? h("div", {class: "small"}, Object.entries(c.phases).map(([ph, k]) => `${ph} ${k}`).join(" · ")) : "",
           h("div", {class: "muted small"}, `${c.eligible_nodes}/${c.nodes} nodes eligible`));
