@@ -18,6 +18,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Activation, Bundle, Event, Node
+from kernelctl.vocab import shown_steps
 
 AUDIT_MAX_LIMIT = 100_000
 
@@ -181,5 +182,5 @@ def event_to_dict(event: Event) -> dict[str, Any]:
         "node": event.node,
         "rollout_id": event.rollout_id,
         "reason": event.reason,
-        "payload": event.payload,
+        "payload": shown_steps(event.payload),  # a stored 0-based "step" is shown from 1
     }

@@ -332,10 +332,12 @@ def _decide(row: RolloutStratum, step: StepSpec, plan: PlanSpec, now: dt.datetim
     if hard is not None:
         kind = "numeric" if hard.gate in ("numeric", "mismatch") else "hard"
         name = "numeric" if kind == "numeric" else f"hard:{hard.gate}"
-        view = MetricView(name, kind, "count", float(sum(hard.outcomes.values())), None, None, None,
-                          sum(hard.outcomes.values()), "fail")
-        counts = f"{', '.join(f'{n} {o}' for o, n in sorted(hard.outcomes.items()))} from {hard.nodes} node(s)"
-        return Decision("rollback", hard.gate, sum(hard.outcomes.values()),
+        n = sum(hard.outcomes.values())
+        err, tol = numeric_detail.error_and_tolerance(hard.numeric)
+        view = (MetricView(name, kind, "error", err, None, None, tol, n, "fail") if err is not None
+                else MetricView(name, kind, "count", float(n), None, None, None, n, "fail"))
+        counts = f"{', '.join(f'{k} {o}' for o, k in sorted(hard.outcomes.items()))} from {hard.nodes} node(s)"
+        return Decision("rollback", hard.gate, n,
                         f"hard gate {hard.gate}: {numeric_detail.describe(hard.numeric) if hard.numeric else counts}",
                         {**timing, "hard_gate": hard.as_evidence()}, [view], name)
     baked = elapsed >= step.bake_seconds

@@ -109,6 +109,14 @@ def numeric_failures(session: Session, keys: set[tuple[int, str]]) -> dict[tuple
     return out
 
 
+def error_and_tolerance(failure: dict[str, Any] | None) -> tuple[float | None, float | None]:
+    """The failing check's error and the bound it is held to (``atol``), for the verdict's metric row."""
+    c = (failure or {}).get("check") or {}
+    err = c.get("vs_stable_max_abs") if c.get("failed") == "vs_stable" else c.get("max_abs_err")
+    tol = ((failure or {}).get("tolerance") or {}).get("atol")
+    return (float(err) if isinstance(err, int | float) else None), (float(tol) if tol is not None else None)
+
+
 def fmt_shape(shape: dict[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (shape or {}).items())
 

@@ -8,7 +8,7 @@ migration and a wire-contract change.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 # ------------------------------------------------------------------------------------------ rollouts
 # A rollout: pending -> progressing(step k) -> ... -> promoted; progressing <-> paused;
@@ -32,6 +32,13 @@ def step_number(step_index: int) -> int:
     database, the REST API's ``step_index``/``from_step``/``promote_from_step``) hold the 0-based position.
     """
     return step_index + 1
+
+
+def shown_steps(doc: dict[str, Any] | None) -> dict[str, Any]:
+    """A stored document (a changelog event's payload, a verdict's evidence: both keep the 0-based index as
+    ``step``, the database is not rewritten) as it is shown: ``step`` from 1."""
+    doc = doc or {}
+    return {**doc, "step": step_number(doc["step"])} if isinstance(doc.get("step"), int) else doc
 
 # ------------------------------------------------------------------------------------------ nodes
 NODE_STATES = ("active", "stale")  # a node without a heartbeat for stale_after_seconds is stale

@@ -17,12 +17,12 @@ import pytest
 
 from tests import dbutil
 from tests.controller.serverutil import ControllerProcess, TestBundles, build_test_bundles
-from tests.controller.test_cli_remote import kctl, ok
+from tests.controller.test_cli_remote import kctl, ok, wait_state
 
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0",))
+    return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0", "1.1.0"), archs=("sm_80", "sm_90"))
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,46 @@ def test_usage_not_found_and_a_wrong_url_are_told_apart(ctl: ControllerProcess, 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_operator_rollback_of_one_stratum_reads_the_same_everywhere(ctl: ControllerProcess,
+                                                                       bundles: TestBundles) -> None:
+    """One stratum rolled back by an operator, the other promoted: the transition's line, `rollout status`,
+    `rollout list`, `explain` and `compat` all say partly_promoted with each stratum's outcome; steps from 1."""
+    from tests.controller.serverutil import register_node
+
+    a100, h100 = "sm_80/drv550/triton3.6.0", "sm_90/drv550/triton3.6.0"
+    for name, arch in (("gpu-pp-80a", "sm_80"), ("gpu-pp-80b", "sm_80"), ("gpu-pp-90a", "sm_90")):
+        register_node(ctl, name, arch=arch).close()
+    ok(kctl(ctl, "bundle", "push", str(bundles.files["1.1.0"])))
+    plan = {"steps": [{"nodes": 1, "bake_seconds": 3600, "min_samples": 100, "deadline_seconds": 7200},
+                      {"percent": 100, "bake_seconds": 3600, "min_samples": 100, "deadline_seconds": 7200}],
+            "max_fleet_share": 1.0, "max_label_share": 1.0}
+    with ctl.client("operator") as op:
+        r = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.1.0", "plan": plan, "reason": "two strata"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+    assert wait_state(ctl, rid, "progressing")["state"] == "progressing"  # the controller begins it
+    out = ok(kctl(ctl, "rollback", str(rid), "--stratum", a100, "--reason", "p99 regressed on A100"))
+    assert out.split() == ["rollout", str(rid), "llm-fused@1.1.0:", "progressing", "(step", "1)"], out
+    out = ok(kctl(ctl, "promote", str(rid), "--full", "--reason", "ship the rest"))
+    outcome = f"(promoted on {h100}; rolled back on {a100})"
+    assert " ".join(out.split()) == f"rollout {rid} llm-fused@1.1.0: partly_promoted {outcome}", out
+    flat = " ".join(ok(kctl(ctl, "rollout", "status", str(rid), who="viewer")).replace("│", " ").split())
+    assert f"state partly_promoted {outcome} step 1/2" in flat, flat
+    assert f"{a100}: rolled_back: p99 regressed on A100" in flat and f"{h100}: promoted: ship the rest" in flat
+    listed = ok(kctl(ctl, "rollout", "list", "--state", "partly_promoted", who="viewer"))
+    assert "partly_promoted" in listed and "llm-fused@1.1.0" in listed
+    doc = json.loads(ok(kctl(ctl, "rollout", "explain", str(rid), "--json", who="viewer")))
+    assert doc["state"] == "partly_promoted"
+    assert {s["stratum"]: s["state"] for s in doc["strata"]} == {a100: "rolled_back", h100: "promoted"}
+    cells = {c["stratum"]: c for c in json.loads(ok(kctl(ctl, "compat", "--json", who="viewer")))
+             if c["bundle"] == "llm-fused@1.1.0"}
+    assert (cells[a100]["state"], cells[h100]["state"]) == ("rolled_back", "stable")
+    shown = json.loads(ok(kctl(ctl, "bundle", "show", "llm-fused@1.1.0", "--json")))
+    assert shown["status"] != "revoked"
+    events = json.loads(ok(_kctl_cols(ctl, 200, "audit", "--db", ctl.db_url, "--bundle", "llm-fused@1.1.0",
+                                      "--action", "rollout.*", "--format", "json")))
+    assert events[0]["action"] == "rollout.partly_promoted"
+    assert not any(e["action"] == "rollout.promoted" for e in events)
+    assert {e["payload"]["step"] for e in events if e["action"] == "rollout.progressing"} == {1}  # from 1

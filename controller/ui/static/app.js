@@ -325,7 +325,7 @@ function stratumCard(detail, st, ex, nodes) {
       h("br"), h("span", {class: "reason"}, ex.reason || st.reason || "")) : h("p", {class: "muted"}, st.reason || ""),
     ex && ex.failure ? failureBlock(ex.failure) : "",
     // a stratum stopped by an operator (or paused) says why: that is not a verdict of the judge
-    st.reason && ex && st.reason !== ex.reason && st.state !== "progressing"
+    st.reason && ex && st.reason !== ex.reason && st.reason !== `judge: ${ex.reason}` && st.state !== "progressing"
       ? h("p", {class: "stratum-reason"}, h("strong", {}, `${st.state}: `), st.reason) : "",
     metricsSection(st.stratum, metrics),
     plotGroups(st.stratum, plots, byName, ex));
