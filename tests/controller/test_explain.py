@@ -161,3 +161,56 @@ def test_a_numeric_rollback_names_what_failed_everywhere(tmp_path: Path, bundles
         body = wait_for(lambda: next((b for b in hook.bodies if b["kind"] == "rolled_back"), None), 30, "the webhook")
         assert what.search(body["text"]) and body["failure"]["check"]["op"] == "bias_gelu"
         assert body["evidence"]["samples"] == 2 and body["url"] == f"https://kctl.example/ui/#/rollouts/{rid}"
+
+
+def test_numeric_detail_of_stored_reports_old_and_new(db_url: str, tmp_path: Path) -> None:
+    """The failing check is read from reports stored before ``failed_checks`` existed (their numerics summary and
+    the trial's text) as well as after; its tolerance is the stricter of the candidate's and stable's manifests;
+    failing checks are ordered over-tolerance first."""
+    from controller import numeric_detail
+    from controller.db.models import Report
+    from controller.rollouts import promote, start_rollout
+    from kernelctl import wire
+    from tests.controller.enginekit import T0, Kit
+
+    kit = Kit(db_url, tmp_path)
+    try:
+        names = kit.nodes(2, prefix="h")
+        b0 = kit.push("1.0.0", tolerances={"fp32": (1e-5, 1e-6)})
+        b1 = kit.push("1.1.0", tolerances={"fp32": (1e-6, 1e-5)})
+        with kit.tx() as s:
+            promote(s, start_rollout(s, "llm-fused@1.0.0", actor="t").id, actor="t", full=True)
+        with kit.tx() as s:
+            rid = start_rollout(s, "llm-fused@1.1.0", actor="t", accept_contract_change="test").id
+        checks = [wire.NumericCheck(op="bias_gelu", dtype="fp32", shape={"tokens": 8}, max_abs_err=1e-7,
+                                    max_rel_err=1e-7, within_tolerance=True, kind="fuzz"),
+                  wire.NumericCheck(op="bias_gelu", dtype="fp32", shape={"tokens": 8}, max_abs_err=1e-7,
+                                    max_rel_err=1e-7, within_tolerance=True, vs_stable_max_abs=0.5,
+                                    vs_stable_within=False, kind="production"),
+                  wire.NumericCheck(op="bias_gelu", dtype="fp32", shape={"tokens": 4096}, max_abs_err=0.02,
+                                    max_rel_err=0.1, within_tolerance=False, kind="golden", nonfinite=3)]
+        cand, stable = kit.ref(b1), kit.ref(b0)
+        with kit.tx() as s:
+            new = numeric_detail.failed_checks(kit.report(kit.node(s, names[0]), rid, cand, stable,
+                                                          outcome="numeric_error", numerics=checks))
+        assert [(c["check"], c["failed"]) for c in new] == [("golden", "tolerance"), ("production", "vs_stable")]
+        legacy = {"numerics": {"worst": {"op": "bias_gelu", "dtype": "fp32", "shape": {"tokens": 16},
+                                         "max_abs_err": 0.25}},
+                  "text": "1 numeric check(s) over tolerance; first: edge/zero_rows bias_gelu fp32 {'tokens': 16} "
+                          "max_abs_err=0.25 nonfinite=0 unwritten=0"}
+        stratum = "sm_90/drv550/triton3.6.0"
+        with kit.tx() as s:
+            for i, (name, detail) in enumerate(((names[0], legacy), (names[1], {"failed_checks": new}))):
+                s.add(Report(idempotency_key=f"k{i}", node_id=kit.node(s, name).id, rollout_id=rid, stratum=stratum,
+                             bundle_id=b1, stable_bundle_id=b0, outcome="numeric_error", measured_at=T0,
+                             received_at=T0, detail=detail))
+        with kit.tx() as s:
+            (f,) = numeric_detail.numeric_failures(s, {(rid, stratum)}).values()
+        assert f["check"]["check"] == "edge" and f["check"]["case"] == "zero_rows" and f["check"]["max_abs_err"] == 0.25
+        assert f["tolerance"] == {"atol": 1e-6, "rtol": 1e-6} and f["nodes"] == sorted(names)
+        assert numeric_detail.describe(f) == (
+            "bias_gelu fp32 tokens=16, edge/zero_rows check: max_abs_err 0.25 > atol 1e-06 + rtol 1e-06*|ref| "
+            f"(2 numeric_error report(s) from 2 node(s): {', '.join(sorted(names))})")
+        assert numeric_detail.error_and_tolerance(f) == (0.25, 1e-6)
+    finally:
+        kit.close()
