@@ -5,8 +5,8 @@ the target's minimum driver major; Triton exactly the target's; torch inside the
 (``packaging`` specifiers, local build tags like ``+cpu`` ignored); CUDA major among the target's when the
 node reports a CUDA version at all (CPU nodes report ``none``). Nodes are grouped in strata
 ``"{arch}/drv{driver_major}/triton{triton}"``; :func:`compat_matrix` gives the state of every bundle version
-in every stratum (stable, candidate at step k (from 1), rolled_back, revoked, eligible, ineligible); a candidate cell
-counts its canaries per phase (trial before serve: staged, verified, serving).
+in every stratum (stable, candidate at step k (from 1), rolled_back, revoked, eligible, ineligible); a candidate
+cell counts its canaries per phase (trial before serve: staged, verified, serving).
 """
 
 from __future__ import annotations

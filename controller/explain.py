@@ -106,5 +106,6 @@ def explain(session: Session, rollout_id: int, stratum: str | None = None) -> Ro
             stratum=s.stratum, state=s.state, step_index=s.step_index,
             decision=last.decision if last else "none", gate=last.gate if last else "none",
             deciding_metric=ev.get("deciding_metric"), reason=str(ev.get("reason") or s.reason or ""),
-            at=last.at if last else None, failure=(ev.get("hard_gate") or {}).get("numeric"), metrics=[MetricOut(**m) for m in metrics_of(ev)], history=history))
+            at=last.at if last else None, failure=(ev.get("hard_gate") or {}).get("numeric"),
+            metrics=[MetricOut(**m) for m in metrics_of(ev)], history=history))
     return RolloutExplain(rollout_id=r.id, state=r.state, bundle=r.bundle.ref, strata=out)

@@ -383,7 +383,8 @@ class Notifier:
             events = list(session.scalars(
                 select(Event).where(Event.id > cursor, Event.action.in_(tuple(KINDS)), Event.at <= settled)
                 .order_by(Event.id).limit(BATCH)))
-            docs = [(e.id, e.action, e.rollout_id, e.bundle, build_message(session, e, public_url=self.public_url)) for e in events]
+            docs = [(e.id, e.action, e.rollout_id, e.bundle, build_message(session, e, public_url=self.public_url))
+                    for e in events]
         handled = 0
         for event_id, action, rollout_id, bundle, doc in docs:
             if (deadline is None and self._stop.is_set()) or not self.is_leader():

@@ -127,7 +127,8 @@ def describe(failure: dict[str, Any]) -> str:
     counts = ", ".join(f"{n} {o}" for o, n in sorted((failure.get("reports") or {}).items()))
     shown = ", ".join(failure.get("nodes") or [])
     more = (failure.get("node_count") or 0) - len(failure.get("nodes") or [])
-    where = f"({counts} report(s) from {failure.get('node_count')} node(s): {shown}{f' and {more} more' if more > 0 else ''})"
+    shown += f" and {more} more" if more > 0 else ""
+    where = f"({counts} report(s) from {failure.get('node_count')} node(s): {shown})"
     if not c:
         return f"no check detail in the reports {where}"
     what = " ".join(x for x in (c["op"], c.get("dtype") or "", fmt_shape(c.get("shape"))) if x)

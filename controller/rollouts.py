@@ -6,10 +6,10 @@ terminal. Each stratum has its own state in ``rollout_strata`` (pending | progre
 rolled_back) and the rollout's state summarises them (:func:`summarise`): while any stratum is live, the
 liveliest; then ``promoted`` (every stratum promoted), ``rolled_back`` (every stratum rolled back) or
 ``partly_promoted`` (some of each: the version is stable where promoted and marked incompatible where rolled
-back; it is not revoked). Steps are stored 0-based (``step_index``); people and events see
-:func:`kernelctl.vocab.step_number`. Every function runs inside the caller's transaction, writes its changelog event there,
-is idempotent (repeating an action is a no-op success without a second event) and refuses an invalid
-transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
+back; it is not revoked). Steps are stored 0-based (``step_index``); people see
+:func:`kernelctl.vocab.step_number`. Every function runs inside the caller's transaction, writes its changelog
+event there (with the rollout's state right after it, ``rollout_state``), is idempotent (repeating an action is
+a no-op success without a second event) and refuses an invalid transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
 :class:`ConcurrentWrite`, a retryable :class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
 """
 

@@ -286,7 +286,8 @@ function failureBlock(f) {
   const c = f.check || {};
   const shape = Object.entries(c.shape || {}).map(([k, v]) => `${k}=${v}`).join(" ");
   const tol = f.tolerance ? `atol ${f.tolerance.atol} + rtol ${f.tolerance.rtol}·|ref|` : "its tolerance";
-  const err = c.failed === "vs_stable" ? `max |candidate−stable| ${c.vs_stable_max_abs}` : `max_abs_err ${c.max_abs_err}`;
+  const err = c.failed === "vs_stable"
+    ? `max |candidate−stable| ${c.vs_stable_max_abs}` : `max_abs_err ${c.max_abs_err}`;
   const reports = Object.entries(f.reports || {}).map(([o, n]) => `${n} ${o}`).join(", ");
   return h("div", {class: "failure", "data-failure": c.op || ""},
     h("strong", {}, "failed check: "), h("code", {}, [c.op, c.dtype, shape].filter(Boolean).join(" ")),
