@@ -9,8 +9,9 @@ liveliest; then ``promoted`` (every stratum promoted), ``rolled_back`` (every st
 back; it is not revoked). Steps are stored 0-based (``step_index``); people see
 :func:`kernelctl.vocab.step_number`. Every function runs inside the caller's transaction, writes its changelog
 event there (with the rollout's state right after it, ``rollout_state``), is idempotent (repeating an action is
-a no-op success without a second event) and refuses an invalid transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
-:class:`ConcurrentWrite`, a retryable :class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
+a no-op success without a second event) and refuses an invalid transition with :class:`Conflict`.
+``row_version`` on rollouts and strata turns a concurrent writer into :class:`ConcurrentWrite`, a retryable
+:class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
 """
 
 from __future__ import annotations
