@@ -44,7 +44,7 @@ def _rollout_renderable(r: dict[str, Any]) -> Group:
             + f"  step {step_of(r['step_index'], n_steps)}  by {esc(r['created_by'])}"
             + (f"  reason: {esc(r['reason'])}" if r.get("reason") else ""))
     strata = Table(title="strata")
-    for col in ("stratum", "state", "step", "baseline", "fleet", "assigned", "active", "staged/verified/serving"):
+    for col in ("stratum", "state", "step", "baseline", "fleet", "assigned", "active", "staged/\nverified/\nserving"):
         strata.add_column(col, overflow="fold")  # folded, never cut
     verdicts: list[Any] = []
     for s in r["strata"]:
