@@ -285,7 +285,8 @@ function failureBlock(f) {
   if (!f) return "";
   const c = f.check || {};
   const shape = Object.entries(c.shape || {}).map(([k, v]) => `${k}=${v}`).join(" ");
-  const tol = f.tolerance ? `atol ${f.tolerance.atol} + rtol ${f.tolerance.rtol}·|ref|` : "its tolerance";
+  const num = (x) => (isNum(x) && x !== 0 && Math.abs(x) < 1e-3 ? x.toExponential() : String(x));
+  const tol = f.tolerance ? `atol ${num(f.tolerance.atol)} + rtol ${num(f.tolerance.rtol)}·|ref|` : "its tolerance";
   const err = c.failed === "vs_stable"
     ? `max |candidate−stable| ${c.vs_stable_max_abs}` : `max_abs_err ${c.max_abs_err}`;
   const reports = Object.entries(f.reports || {}).map(([o, n]) => `${n} ${o}`).join(", ");
