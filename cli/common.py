@@ -19,6 +19,8 @@ TokenOption = Annotated[
     str | None, typer.Option("--token", help="Bearer token (default: KERNELCTL_TOKEN).", show_default=False)
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="JSON output.")]
+# a rollout id is a positive integer: anything else is a usage error (exit 2) before any request
+RolloutIdArg = Annotated[int, typer.Argument(min=1, max=2**63 - 1, help="Rollout id.", show_default=False)]
 DbOption = Annotated[
     str | None, typer.Option("--db", help="Database URL (default: KERNELCTL_DATABASE_URL or embedded SQLite).")
 ]

@@ -21,9 +21,10 @@ def compat_cmd(ctx: typer.Context, bundle: Annotated[str | None, typer.Option(he
     strata = sorted({r["stratum"] for r in rows})
     bundles = list(dict.fromkeys(r["bundle"] for r in rows))
     cells = {(r["bundle"], r["stratum"]): r for r in rows}
-    table = Table("bundle", title="compatibility")
+    table = Table(title="compatibility")
+    table.add_column("bundle", overflow="fold")
     for s in strata:
-        table.add_column(safe(s))  # strata are built from node inventories: literal text
+        table.add_column(safe(s), overflow="fold")  # strata are built from node inventories: literal text
     for b in bundles:
         out = []
         for s in strata:

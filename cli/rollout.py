@@ -11,40 +11,66 @@ from rich.console import Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
-from cli.common import JsonOption, TokenOption, UrlOption, fetch, remote, split_ref
+from cli.common import JsonOption, RolloutIdArg, TokenOption, UrlOption, fetch, remote, split_ref
 from kernelctl.console import EXIT_USAGE, console, esc, fail, print_json, safe
-from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES
+from kernelctl.vocab import CANARY_PHASES, ROLLOUT_STATES, TERMINAL_STATES, step_number
 
 # ------------------------------------------------------------------------------------------ rollouts
 rollout_app = typer.Typer(help="Start and follow rollouts.", no_args_is_help=True)
 
 
-def _rollout_renderable(r: dict[str, Any]) -> Group:
-    head = (f"rollout [bold]{esc(r['id'])}[/] {esc(r['bundle'])}  state [bold]{esc(r['state'])}[/]  step "
-            f"{esc(r['step_index'])}  by {esc(r['created_by'])}" + (f"  reason: {esc(r['reason'])}" if r.get("reason")
-                                                                   else ""))
-    strata = Table("stratum", "state", "step", "baseline", "fleet", "assigned", "active",
-                   "staged/verified/serving", "latest verdict", "deciding metric", "evidence", title="strata")
+def step_of(step_index: int, steps: int) -> str:
+    """``"2/4"``: a step as people number it (from 1, :func:`kernelctl.vocab.step_number`) of the plan's."""
+    return f"{min(step_number(step_index), steps) if steps else step_number(step_index)}/{steps}"
+
+
+def outcome_line(r: dict[str, Any]) -> str:
+    """What happened to each stratum of an ended rollout (``promoted on A; rolled back on B``), or ``""``."""
+    if r["state"] not in TERMINAL_STATES or not r.get("strata"):
+        return ""
+    by: dict[str, list[str]] = {}
     for s in r["strata"]:
-        v = s.get("latest_verdict")
-        ev = ""
-        if v:
-            keys = ("reason", "log_ratio", "ci", "lower", "upper", "margin", "n", "failures")
-            ev = ", ".join(f"{k}={v['evidence'][k]}" for k in keys if k in v["evidence"])[:80]
+        by.setdefault(s["state"].replace("_", " "), []).append(s["stratum"])
+    return "; ".join(f"{state} on {', '.join(sorted(names))}" for state, names in sorted(by.items()))
+
+
+def _rollout_renderable(r: dict[str, Any]) -> Group:
+    n_steps = len(r["steps"])
+    outcome = outcome_line(r)
+    head = (f"rollout [bold]{esc(r['id'])}[/] {esc(r['bundle'])}  state [bold]{esc(r['state'])}[/]"
+            + (f" ({esc(outcome)})" if outcome else "")
+            + f"  step {step_of(r['step_index'], n_steps)}  by {esc(r['created_by'])}"
+            + (f"  reason: {esc(r['reason'])}" if r.get("reason") else ""))
+    strata = Table(title="strata")
+    for col in ("stratum", "state", "step", "baseline", "fleet", "assigned", "active", "staged/\nverified/\nserving"):
+        strata.add_column(col, overflow="fold")  # folded, never cut
+    verdicts: list[Any] = []
+    for s in r["strata"]:
         strata.add_row(
-            safe(s["stratum"]), safe(s["state"]), str(s["step_index"]), safe(s.get("baseline") or "-"),
+            safe(s["stratum"]), safe(s["state"]), step_of(s["step_index"], n_steps), safe(s.get("baseline") or "-"),
             str(s["nodes"].get("fleet", 0)), str(s["nodes"].get("assigned", 0)), str(s["nodes"].get("active", 0)),
             "/".join(str(s["nodes"].get(p, 0)) for p in CANARY_PHASES),
-            safe(f"{v['decision']}/{v['gate']} ({v['samples']} samples)") if v else "-",
-            safe(v["evidence"].get("deciding_metric") or "-") if v else "-", safe(ev),
         )
+        v = s.get("latest_verdict")
+        if v:  # a paragraph per stratum: wrapped at spaces, so no number is ever cut
+            keys = ("reason", "log_ratio", "ci", "lower", "upper", "margin", "n", "failures")
+            ev = ", ".join(f"{k}={v['evidence'][k]}" for k in keys if k in v["evidence"])
+            metric = v["evidence"].get("deciding_metric")
+            verdicts.append(safe(f"{s['stratum']}: {v['decision']}/{v['gate']} at step "
+                                 f"{step_of(v['step_index'], n_steps)} ({v['samples']} samples)"
+                                 + (f", deciding metric {metric}" if metric else "") + (f": {ev}" if ev else "")))
+        if s.get("reason") and s["state"] not in ("progressing", "pending") and (
+                not v or s["reason"] != f"judge: {v['evidence'].get('reason')}"):
+            verdicts.append(safe(f"{s['stratum']}: {s['state']}: {s['reason']}"))
     steps = Table("step", "size", "bake s", "min samples", "deadline s", title="plan")
     for st in r["steps"]:
         size = f"{st['nodes']} node(s)" if st["nodes"] is not None else f"{st['percent']:g}%"
-        steps.add_row(str(st["index"]), size, f"{st['bake_seconds']:g}", str(st["min_samples"]),
+        steps.add_row(str(step_number(st["index"])), size, f"{st['bake_seconds']:g}", str(st["min_samples"]),
                       f"{st['deadline_seconds']:g}")
-    return Group(Panel(head), strata, steps)
+    latest = [Text("latest verdicts", style="italic"), *verdicts] if verdicts else []
+    return Group(Panel(head), strata, *latest, steps)
 
 
 @rollout_app.command("start")
@@ -100,10 +126,12 @@ def _read_plan(path: Path) -> Any:
 def rollout_list(ctx: typer.Context, state: Annotated[str | None, typer.Option(help="Only this state.")] = None,
                  url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False) -> None:
     """List rollouts, newest first."""
+    if state is not None and state not in ROLLOUT_STATES:
+        fail(f"--state {state!r}: expected one of {', '.join(ROLLOUT_STATES)}", EXIT_USAGE)
     rows = fetch(ctx, url, token, json_out, "/v1/rollouts", state_filter=state)
     table = Table("id", "bundle", "state", "step", "created", "by", "reason")
     for r in rows:
-        table.add_row(str(r["id"]), safe(r["bundle"]), safe(r["state"]), str(r["step_index"]),
+        table.add_row(str(r["id"]), safe(r["bundle"]), safe(r["state"]), str(step_number(r["step_index"])),
                       safe(r["created_at"][:19]), safe(r["created_by"]), safe(r.get("reason") or ""))
     console.print(table)
 
@@ -111,7 +139,7 @@ def rollout_list(ctx: typer.Context, state: Annotated[str | None, typer.Option(h
 @rollout_app.command("status")
 def rollout_status(
     ctx: typer.Context,
-    rollout_id: Annotated[int, typer.Argument(help="Rollout id.")],
+    rollout_id: RolloutIdArg,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until the rollout ends (Ctrl-C stops).")] = False,
     interval: Annotated[float, typer.Option(help="Refresh period with --watch.")] = 2.0,
     url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
@@ -158,10 +186,12 @@ def explain_renderable(doc: dict[str, Any]) -> Group:
     """metric x stratum: value, bounds, margin, n, decision, and which metric decided."""
     parts: list[Any] = [Panel(f"rollout [bold]{doc['rollout_id']}[/] {doc['bundle']}  state [bold]{doc['state']}[/]")]
     for s in doc["strata"]:
-        title = (f"{s['stratum']}  {s['state']} step {s['step_index']}  verdict {s['decision']}/{s['gate']}"
-                 f"  deciding: {s.get('deciding_metric') or '-'}")
+        title = (f"{s['stratum']}  {s['state']} step {step_number(s['step_index'])}  verdict "
+                 f"{s['decision']}/{s['gate']}  deciding: {s.get('deciding_metric') or '-'}")
         t = Table("metric", "kind", "value", "lower", "upper", "margin", "n", "decision", "decided", title=title,
                   caption=s.get("reason") or None)
+        for col in t.columns:
+            col.overflow = "fold"  # folded, never cut
         for m in s["metrics"]:
             margin = m["margin"]
             if m["unit"] == "ratio" and margin is not None:
@@ -182,7 +212,7 @@ def explain_renderable(doc: dict[str, Any]) -> Group:
 @rollout_app.command("explain")
 def rollout_explain(
     ctx: typer.Context,
-    rollout_id: Annotated[int, typer.Argument(help="Rollout id.")],
+    rollout_id: RolloutIdArg,
     stratum: Annotated[str | None, typer.Option(help="Only this stratum.")] = None,
     url: UrlOption = None, token: TokenOption = None, json_out: JsonOption = False,
 ) -> None:

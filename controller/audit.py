@@ -18,12 +18,17 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Activation, Bundle, Event, Node
+from kernelctl.vocab import shown_steps
 
 AUDIT_MAX_LIMIT = 100_000
 
 
 class AuditQueryError(ValueError):
     """A filter value the audit cannot use (unknown node, unparseable time, ...)."""
+
+
+class AuditNotFound(AuditQueryError):
+    """The query names a node or bundle the changelog does not know (the CLI's not-found exit code)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def query_events(session: Session, filters: AuditFilters) -> list[Event]:
 def _require_node(session: Session, name: str) -> Node:
     node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
-        raise AuditQueryError(f"unknown node {name!r}")
+        raise AuditNotFound(f"unknown node {name!r}")
     return node
 
 
@@ -155,7 +160,7 @@ def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
         raise AuditQueryError(f"expected NAME@VERSION, got {bundle_ref!r}")
     bundle = session.scalar(select(Bundle).where(and_(Bundle.name == name, Bundle.version == version)))
     if bundle is None:
-        raise AuditQueryError(f"unknown bundle {bundle_ref!r}")
+        raise AuditNotFound(f"unknown bundle {bundle_ref!r}")
     stmt = (
         select(Node.name, Activation.started_at, Activation.ended_at, Activation.rollout_id, Activation.verified_at)
         .join(Node, Node.id == Activation.node_id)
@@ -177,5 +182,5 @@ def event_to_dict(event: Event) -> dict[str, Any]:
         "node": event.node,
         "rollout_id": event.rollout_id,
         "reason": event.reason,
-        "payload": event.payload,
+        "payload": shown_steps(event.payload),  # a stored 0-based "step" is shown from 1
     }

@@ -5,8 +5,8 @@ the target's minimum driver major; Triton exactly the target's; torch inside the
 (``packaging`` specifiers, local build tags like ``+cpu`` ignored); CUDA major among the target's when the
 node reports a CUDA version at all (CPU nodes report ``none``). Nodes are grouped in strata
 ``"{arch}/drv{driver_major}/triton{triton}"``; :func:`compat_matrix` gives the state of every bundle version
-in every stratum (stable, candidate at step k, rolled_back, revoked, eligible, ineligible); a candidate cell
-counts its canaries per phase (trial before serve: staged, verified, serving).
+in every stratum (stable, candidate at step k (from 1), rolled_back, revoked, eligible, ineligible); a candidate
+cell counts its canaries per phase (trial before serve: staged, verified, serving).
 """
 
 from __future__ import annotations
@@ -33,7 +33,16 @@ from controller.db.models import (
     RolloutStratum,
     StableVersion,
 )
-from kernelctl.vocab import ACTIVE_STATES, CANARY_PHASES, stratum_key
+from controller.errors import NotFound
+from kernelctl.vocab import (
+    ACTIVE_STATES,
+    CANARY_PHASES,
+    PARTLY_PROMOTED,
+    PROMOTED,
+    ROLLED_BACK,
+    step_number,
+    stratum_key,
+)
 
 NO_CUDA = frozenset({"", "none", "unknown", "cpu", "n/a"})
 
@@ -184,7 +193,7 @@ class CompatRow:
     state: str  # stable | candidate | rolled_back | revoked | eligible | ineligible
     nodes: int  # nodes in the stratum (active and stale)
     eligible_nodes: int
-    step: int | None = None  # for candidate: the stratum's step index
+    step: int | None = None  # for candidate: the stratum's step, numbered from 1 (vocab.step_number)
     rollout_id: int | None = None
     reason: str | None = None
     phases: dict[str, int] | None = None  # for candidate: canaries per phase (staged / verified / serving)
@@ -204,12 +213,23 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
         stmt = stmt.where(Bundle.name == bundle_name)
     bundles = list(session.scalars(stmt))
     if not bundles:
+        if bundle_name is not None:
+            raise NotFound(f"no bundle named {bundle_name!r} is registered (kernelctl bundle list)")
         return []
     ids = [b.id for b in bundles]
     stable = {(s.bundle_id, s.stratum) for s in session.scalars(
         select(StableVersion).where(StableVersion.bundle_id.in_(ids)))}
     incompatible = {(i.bundle_id, i.stratum): i.reason for i in session.scalars(
         select(Incompatibility).where(Incompatibility.bundle_id.in_(ids)))}
+    # a stratum rolled back in a rollout that ended (partly) promoted: the version is not revoked, and rollouts
+    # stored before such strata were marked incompatible are read here (never "eligible" where rolled back)
+    for bid, stratum, reason in session.execute(
+        select(Rollout.bundle_id, RolloutStratum.stratum, RolloutStratum.reason)
+        .join(RolloutStratum, RolloutStratum.rollout_id == Rollout.id)
+        .where(Rollout.bundle_id.in_(ids), Rollout.state.in_((PROMOTED, PARTLY_PROMOTED)),
+               RolloutStratum.state == ROLLED_BACK)
+    ):
+        incompatible.setdefault((bid, stratum), reason or "rolled back")
     candidate: dict[tuple[int, str], tuple[int, int]] = {}
     for rid, bid, stratum, step in session.execute(
         select(Rollout.id, Rollout.bundle_id, RolloutStratum.stratum, RolloutStratum.step_index)
@@ -232,7 +252,7 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
                 rows.append(CompatRow(state="stable", **common))
             elif key in candidate:
                 rid, step = candidate[key]
-                rows.append(CompatRow(state="candidate", step=step, rollout_id=rid,
+                rows.append(CompatRow(state="candidate", step=step_number(step), rollout_id=rid,
                                       phases=phases.get((rid, stratum), dict.fromkeys(CANARY_PHASES, 0)), **common))
             elif key in incompatible:
                 rows.append(CompatRow(state="rolled_back", reason=incompatible[key], **common))

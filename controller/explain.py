@@ -2,7 +2,9 @@
 
 Per stratum: the latest verdict's decision, gate, deciding metric and reason, with one row per metric (value,
 bounds, margin, sample count, the metric's own decision, and whether it decided), and the history of the
-stratum's verdicts (holds are recorded periodically, so bounds can be plotted over time). Verdicts written
+stratum's verdicts (holds are recorded periodically, so bounds can be plotted over time). A numeric or mismatch
+rollback also carries ``failure``: the failing check (op, dtype, shape, check, error), its tolerance, the
+failing reports and the nodes (:mod:`controller.numeric_detail`). Verdicts written
 before per-metric evidence existed show their aggregate latency evidence as ``latency:aggregate``.
 """
 
@@ -52,6 +54,7 @@ class StratumExplain(BaseModel):
     deciding_metric: str | None
     reason: str
     at: dt.datetime | None
+    failure: dict[str, Any] | None = None
     metrics: list[MetricOut]
     history: list[HistoryOut]
 
@@ -103,5 +106,6 @@ def explain(session: Session, rollout_id: int, stratum: str | None = None) -> Ro
             stratum=s.stratum, state=s.state, step_index=s.step_index,
             decision=last.decision if last else "none", gate=last.gate if last else "none",
             deciding_metric=ev.get("deciding_metric"), reason=str(ev.get("reason") or s.reason or ""),
-            at=last.at if last else None, metrics=[MetricOut(**m) for m in metrics_of(ev)], history=history))
+            at=last.at if last else None, failure=(ev.get("hard_gate") or {}).get("numeric"),
+            metrics=[MetricOut(**m) for m in metrics_of(ev)], history=history))
     return RolloutExplain(rollout_id=r.id, state=r.state, bundle=r.bundle.ref, strata=out)

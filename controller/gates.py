@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
+from controller import numeric_detail
 from controller.db.models import Node, Report, RolloutStratum
 from controller.judge.family import FamilyVerdict, MetricSeries, judge_family
 from controller.plan import PlanSpec, StepSpec
@@ -106,10 +107,12 @@ class HardFailure:
     outcomes: dict[str, int]
     nodes: int
     first_received_at: dt.datetime
+    numeric: dict[str, Any] | None = None  # what failed (controller.numeric_detail), numeric/mismatch gates
 
     def as_evidence(self) -> dict[str, Any]:
         return {"gate": self.gate, "outcomes": self.outcomes, "nodes": self.nodes,
-                "first_received_at": self.first_received_at.isoformat()}
+                "first_received_at": self.first_received_at.isoformat(),
+                **({"numeric": self.numeric} if self.numeric else {})}
 
 
 def hard_failures(session: Session, keys: set[Key]) -> dict[Key, HardFailure]:
@@ -138,6 +141,9 @@ def hard_failures(session: Session, keys: set[Key]) -> dict[Key, HardFailure]:
         gates = {OUTCOME_GATE[o] for o in a["outcomes"]}
         gate = next(g for g in GATE_ORDER if g in gates)
         out[key] = HardFailure(gate, a["outcomes"], a["nodes"], a["first"])
+    detail = numeric_detail.numeric_failures(session, {k for k, h in out.items() if h.gate in ("numeric", "mismatch")})
+    for key, d in detail.items():
+        out[key].numeric = d
     return out
 
 
@@ -326,11 +332,14 @@ def _decide(row: RolloutStratum, step: StepSpec, plan: PlanSpec, now: dt.datetim
     if hard is not None:
         kind = "numeric" if hard.gate in ("numeric", "mismatch") else "hard"
         name = "numeric" if kind == "numeric" else f"hard:{hard.gate}"
-        view = MetricView(name, kind, "count", float(sum(hard.outcomes.values())), None, None, None,
-                          sum(hard.outcomes.values()), "fail")
-        return Decision("rollback", hard.gate, ev.ok_reports,
-                        f"hard gate {hard.gate}: {', '.join(f'{n} {o}' for o, n in sorted(hard.outcomes.items()))}"
-                        f" from {hard.nodes} node(s)", {**timing, "hard_gate": hard.as_evidence()}, [view], name)
+        n = sum(hard.outcomes.values())
+        err, tol = numeric_detail.error_and_tolerance(hard.numeric)
+        view = (MetricView(name, kind, "error", err, None, None, tol, n, "fail") if err is not None
+                else MetricView(name, kind, "count", float(n), None, None, None, n, "fail"))
+        counts = f"{', '.join(f'{k} {o}' for o, k in sorted(hard.outcomes.items()))} from {hard.nodes} node(s)"
+        return Decision("rollback", hard.gate, n,
+                        f"hard gate {hard.gate}: {numeric_detail.describe(hard.numeric) if hard.numeric else counts}",
+                        {**timing, "hard_gate": hard.as_evidence()}, [view], name)
     baked = elapsed >= step.bake_seconds
     late = elapsed > step.deadline_seconds
     if row.baseline_bundle_id is None:

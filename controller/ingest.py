@@ -32,6 +32,7 @@ from controller.compat import node_stratum
 from controller.db.models import Assignment, Bundle, Node, Report, Rollout, RolloutStratum
 from controller.errors import Invalid
 from controller.gates import OUTCOME_GATE, as_utc, effective_outcome, numerics_summary
+from controller.numeric_detail import failed_checks
 from controller.signals import batch_signals
 from kernelctl import wire
 
@@ -227,6 +228,7 @@ def _store(session: Session, node: Node, reports: Sequence[wire.TrialReport], fa
             "measured_at": as_utc(r.measured_at), "received_at": now,
             "detail": {
                 "reported_outcome": r.outcome, "numerics": numerics_summary(r), "e2e": e2e,
+                **({"failed_checks": failed} if (failed := failed_checks(r)) else {}),
                 "launches_per_call": r.launches_per_call, "duration_s": r.duration_s, "text": r.detail,
             },
             "signals": sig,

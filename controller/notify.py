@@ -1,9 +1,11 @@
 """Webhook notifications for rollout transitions, driven by the append-only changelog.
 
-The leader reads the events that matter to people (rollout started, step advanced, paused, promoted,
-a stratum rolled back) after a per-target cursor and POSTs one JSON document per event to every URL of
-``KERNELCTL_NOTIFY_URLS``: a Slack-compatible ``text`` line plus structured fields (rollout, bundle,
-stratum, gate, reason, the deciding verdict's evidence summary). Nothing in the transition code knows
+The leader reads the events that matter to people (rollout started, step advanced, paused, a stratum
+promoted, a stratum rolled back, the rollout promoted or partly promoted) after a per-target cursor and POSTs
+one JSON document per event to every URL of ``KERNELCTL_NOTIFY_URLS``: a Slack-compatible ``text`` line plus
+structured fields (rollout, bundle, the rollout's state when the event happened, stratum, step numbered from 1
+as everywhere people read it, gate, reason, the deciding verdict's evidence summary, what a numeric failure
+was, and ``url``: the rollout's page under ``KERNELCTL_PUBLIC_URL``). Nothing in the transition code knows
 about notifications: a tick or an API call only appends its event, and delivery happens later on the
 notifier's own thread, so a slow or dead webhook can never block or fail a transition.
 
@@ -39,6 +41,7 @@ from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_a
 from controller.changelog import record_event
 from controller.db.models import Event, Rollout, Verdict, utcnow
 from controller.gates import as_utc
+from kernelctl.vocab import PARTLY_PROMOTED, PENDING, PROGRESSING, PROMOTED, step_number
 
 log = logging.getLogger("kernelctl.notify")
 
@@ -51,9 +54,14 @@ KINDS: dict[str, str] = {
     "rollout.advanced": "step_advanced",
     "rollout.paused": "paused",
     "rollout.stratum_paused": "paused",
+    "rollout.stratum_promoted": "stratum_promoted",
     "rollout.promoted": "promoted",
+    "rollout.partly_promoted": "partly_promoted",
     "rollout.stratum_rolled_back": "rolled_back",
 }
+# the rollout's state right after an event written before events carried it (``rollout_state``)
+_LEGACY_STATE = {"started": PENDING, "step_advanced": PROGRESSING, "promoted": PROMOTED,
+                 "partly_promoted": PARTLY_PROMOTED}
 # An event is delivered once it is this old: a concurrent transaction may still commit a smaller event id.
 SETTLE_SECONDS = 1.0
 BATCH = 50
@@ -158,24 +166,38 @@ def _deciding_verdict(session: Session, rollout_id: int | None, stratum: str | N
     return session.scalar(stmt.order_by(Verdict.id.desc()).limit(1))
 
 
-def build_message(session: Session, event: Event) -> dict[str, Any]:
-    """The JSON document for one changelog event: Slack's ``text`` plus structured fields."""
+def page_url(public_url: str | None, rollout_id: int | None) -> str | None:
+    """The rollout's page in the controller's UI (``KERNELCTL_PUBLIC_URL``); None without either."""
+    if not public_url or rollout_id is None:
+        return None
+    return f"{public_url.rstrip('/')}/ui/#/rollouts/{rollout_id}"
+
+
+def build_message(session: Session, event: Event, *, public_url: str | None = None) -> dict[str, Any]:
+    """The JSON document for one changelog event: Slack's ``text`` plus structured fields.
+
+    ``rollout_state`` is the rollout's state right after the event (stored in the event), not when it is sent;
+    ``step`` counts from 1 (:func:`kernelctl.vocab.step_number`), in the text and in the JSON."""
     kind = KINDS[event.action]
     p = event.payload or {}
     stratum: str | None = p.get("stratum")
     if stratum is None and isinstance(p.get("strata"), list) and len(p["strata"]) == 1:
         stratum = p["strata"][0]
     gate: str | None = p.get("gate")
-    step = p.get("step")
+    step = step_number(p["step"]) if isinstance(p.get("step"), int) else None
     rollout = session.get(Rollout, event.rollout_id) if event.rollout_id is not None else None
+    state = p.get("rollout_state") or _LEGACY_STATE.get(kind) or (rollout.state if rollout is not None else None)
     evidence: dict[str, Any] | None = None
+    failure: dict[str, Any] | None = None
     reason_is_judge = (event.reason or "").startswith("judge:")  # an operator's action has no verdict
     if kind in ("rolled_back", "paused"):
         v = _deciding_verdict(session, event.rollout_id, stratum, "rollback" if kind == "rolled_back" else "pause")
         if v is not None and reason_is_judge:
             gate = gate or v.gate
-            evidence = {"gate": v.gate, "samples": v.samples, "step": v.step_index,
-                        **_scalar_summary(v.evidence or {})}
+            step = step or step_number(v.step_index)
+            evidence = {"gate": v.gate, "samples": v.samples, **_scalar_summary(v.evidence or {}),
+                        "step": step_number(v.step_index)}
+            failure = ((v.evidence or {}).get("hard_gate") or {}).get("numeric")
     who = f"rollout {event.rollout_id}" if event.rollout_id is not None else event.subject
     bundle = event.bundle or "?"
     reason = event.reason or ""
@@ -183,17 +205,27 @@ def build_message(session: Session, event: Event) -> dict[str, Any]:
         strata = sorted((p.get("strata") or {}).keys()) if isinstance(p.get("strata"), dict) else []
         text = f"{who}: {bundle} started on {', '.join(strata) or 'no strata'} by {event.actor}"
     elif kind == "step_advanced":
-        text = f"{who}: {bundle} advanced to step {int(step) + 1 if step is not None else '?'}" + (
-            f" in {stratum}" if stratum else "")
+        text = f"{who}: {bundle} advanced to step {step or '?'}" + (f" in {stratum}" if stratum else "")
     elif kind == "paused":
         text = f"{who}: {bundle} paused" + (f" in {stratum}" if stratum else "")
+    elif kind == "stratum_promoted":
+        text = f"{who}: {bundle} promoted in {stratum or '?'}" + (f" (at step {step})" if step else "")
     elif kind == "promoted":
         text = f"{who}: {bundle} promoted on {', '.join(p.get('promoted') or []) or 'every stratum'}"
+    elif kind == "partly_promoted":
+        text = (f"{who}: {bundle} PARTLY PROMOTED: promoted on {', '.join(p.get('promoted') or []) or '-'}; "
+                f"rolled back on {', '.join(p.get('rolled_back') or []) or '-'}")
+        reasons = p.get("reasons") or {}
+        backs = [f"{s}: {reasons[s]}" for s in p.get("rolled_back") or [] if reasons.get(s)]
+        reason = "; ".join(backs)  # why each stratum was rolled back (the event's reason is the last action's)
     else:
         text = f"{who}: {bundle} ROLLED BACK in {stratum or ', '.join(p.get('strata') or [])}" + (
             f" (gate {gate})" if gate else "")
     if reason:
         text += f": {reason}"
+    url = page_url(public_url, event.rollout_id)
+    if url:
+        text += f" <{url}>"
     return {
         "text": text,
         "kind": kind,
@@ -203,12 +235,16 @@ def build_message(session: Session, event: Event) -> dict[str, Any]:
         "actor": event.actor,
         "rollout_id": event.rollout_id,
         "bundle": event.bundle,
-        "rollout_state": rollout.state if rollout is not None else None,
+        "rollout_state": state,
         "stratum": stratum,
         "step": step,
         "gate": gate,
         "reason": event.reason,
         "evidence": evidence,
+        "failure": failure,
+        "promoted": p.get("promoted") if kind in ("promoted", "partly_promoted") else None,
+        "rolled_back": p.get("rolled_back") if kind in ("promoted", "partly_promoted") else None,
+        "url": url,
     }
 
 
@@ -286,8 +322,10 @@ class Notifier:
 
     def __init__(self, factory: sessionmaker[Session], targets: list[Target], *,
                  is_leader: Callable[[], bool] = lambda: True, timeout: float = 5.0, attempts: int = 4,
-                 backoff: float = 0.5, period: float = 1.0, settle: float = SETTLE_SECONDS) -> None:
+                 backoff: float = 0.5, period: float = 1.0, settle: float = SETTLE_SECONDS,
+                 public_url: str | None = None) -> None:
         self.factory = factory
+        self.public_url = public_url
         self.targets = targets
         self.is_leader = is_leader
         self.attempts = attempts
@@ -345,7 +383,8 @@ class Notifier:
             events = list(session.scalars(
                 select(Event).where(Event.id > cursor, Event.action.in_(tuple(KINDS)), Event.at <= settled)
                 .order_by(Event.id).limit(BATCH)))
-            docs = [(e.id, e.action, e.rollout_id, e.bundle, build_message(session, e)) for e in events]
+            docs = [(e.id, e.action, e.rollout_id, e.bundle, build_message(session, e, public_url=self.public_url))
+                    for e in events]
         handled = 0
         for event_id, action, rollout_id, bundle, doc in docs:
             if (deadline is None and self._stop.is_set()) or not self.is_leader():
@@ -410,7 +449,8 @@ def sample_message() -> dict[str, Any]:
     return {"text": "kernelctl: test notification (webhook configured correctly)", "kind": "test",
             "event": "notify.test", "event_id": None, "at": now, "actor": "operator", "rollout_id": None,
             "bundle": None, "rollout_state": None, "stratum": None, "step": None, "gate": None,
-            "reason": "kernelctl notify test", "evidence": None}
+            "reason": "kernelctl notify test", "evidence": None, "failure": None, "promoted": None,
+            "rolled_back": None, "url": None}
 
 
 def send_test(targets: list[Target], *, timeout: float = 5.0, attempts: int = 2) -> list[tuple[Target, Outcome]]:

@@ -1,12 +1,17 @@
 """The rollout state machine: start, promote, rollback, pause, resume (per rollout and per stratum).
 
 States: ``pending -> progressing(step k) -> ... -> promoted``; ``progressing <-> paused``;
-``pending|progressing|paused -> rolled_back``; ``promoted`` and ``rolled_back`` are terminal. Each stratum has
-its own state in ``rollout_strata`` (pending | progressing | paused | promoted | rolled_back) and the rollout's
-state summarises them. Every function runs inside the caller's transaction, writes its changelog event there,
-is idempotent (repeating an action is a no-op success without a second event) and refuses an invalid
-transition with :class:`Conflict`. ``row_version`` on rollouts and strata turns a concurrent writer into
-:class:`ConcurrentWrite`, a retryable :class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
+``pending|progressing|paused -> rolled_back``; ``promoted``, ``partly_promoted`` and ``rolled_back`` are
+terminal. Each stratum has its own state in ``rollout_strata`` (pending | progressing | paused | promoted |
+rolled_back) and the rollout's state summarises them (:func:`summarise`): while any stratum is live, the
+liveliest; then ``promoted`` (every stratum promoted), ``rolled_back`` (every stratum rolled back) or
+``partly_promoted`` (some of each: the version is stable where promoted and marked incompatible where rolled
+back; it is not revoked). Steps are stored 0-based (``step_index``); people see
+:func:`kernelctl.vocab.step_number`. Every function runs inside the caller's transaction, writes its changelog
+event there (with the rollout's state right after it, ``rollout_state``), is idempotent (repeating an action is
+a no-op success without a second event) and refuses an invalid transition with :class:`Conflict`.
+``row_version`` on rollouts and strata turns a concurrent writer into :class:`ConcurrentWrite`, a retryable
+:class:`Conflict` (every transition also touches the rollout row, so two writers never both win).
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ from controller.plan import PlanSpec, load_plan
 from controller.providers import op_clashes
 from kernelctl.vocab import (
     ACTIVE_STATES,
+    PARTLY_PROMOTED,
     PAUSED,
     PENDING,
     PROGRESSING,
     PROMOTED,
     ROLLED_BACK,
     TERMINAL_STATES,
+    step_number,
 )
 
 REF_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,127})@(\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)$")
@@ -104,8 +111,12 @@ def _touch(rollout: Rollout, now: dt.datetime) -> None:
 
 def _event(session: Session, rollout: Rollout, action: str, *, actor: str, reason: str | None = None,
            payload: dict[str, Any] | None = None) -> None:
+    """The changelog event of a transition; its payload carries the rollout's state right after it
+    (``rollout_state``: what a notification sent later reports). A payload's ``step`` is the stored 0-based
+    index, as in every changelog event (the database keeps one convention; readers show step_number)."""
     record_event(session, actor=actor, action=action, subject=f"rollout:{rollout.id}", reason=reason,
-                 payload=payload or {}, bundle=rollout.bundle.ref, rollout_id=rollout.id)
+                 payload={**(payload or {}), "rollout_state": rollout.state}, bundle=rollout.bundle.ref,
+                 rollout_id=rollout.id)
 
 
 def summarise(rollout: Rollout) -> str:
@@ -114,7 +125,17 @@ def summarise(rollout: Rollout) -> str:
     for st in (PROGRESSING, PAUSED, PENDING):
         if st in states:
             return st
-    return PROMOTED if PROMOTED in states else ROLLED_BACK
+    if PROMOTED in states:
+        return PARTLY_PROMOTED if ROLLED_BACK in states else PROMOTED
+    return ROLLED_BACK
+
+
+def outcomes(rollout: Rollout) -> dict[str, list[str]]:
+    """The strata of a rollout by their state (``{"promoted": [...], "rolled_back": [...]}``), sorted."""
+    out: dict[str, list[str]] = {}
+    for s in sorted(rollout.strata, key=lambda x: x.stratum):
+        out.setdefault(s.state, []).append(s.stratum)
+    return out
 
 
 def _sync_summary(rollout: Rollout) -> None:
@@ -261,11 +282,13 @@ def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
 def promote_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, now: dt.datetime,
                     reason: str | None = None) -> None:
     """The candidate becomes the stable version of this stratum."""
+    before = rollout.state
     row.state, row.reason = PROMOTED, reason
     nodes = assignments.make_stable(session, rollout, row.stratum, now=now)
+    _sync_summary(rollout)
     _event(session, rollout, "rollout.stratum_promoted", actor=actor, reason=reason,
            payload={"stratum": row.stratum, "step": row.step_index, "nodes": nodes})
-    _finish_if_done(session, rollout, actor=actor, now=now, reason=reason)
+    _finish_if_done(session, rollout, before=before, actor=actor, now=now, reason=reason)
 
 
 def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratum], *, actor: str, reason: str,
@@ -274,6 +297,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
     if not rows:
         return 0
     names = {r.stratum for r in rows}
+    before = rollout.state
     for r in rows:
         r.state, r.reason = ROLLED_BACK, reason
     everything = all(s.state in TERMINAL_STATES for s in rollout.strata) and not any(
@@ -286,9 +310,10 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
             session.add(Incompatibility(bundle_id=rollout.bundle_id, stratum=s, reason=reason, at=now))
             record_event(session, actor=actor, action="bundle.incompatible", subject=f"bundle:{rollout.bundle.ref}",
                          reason=reason, payload={"stratum": s}, bundle=rollout.bundle.ref, rollout_id=rollout.id)
+    _sync_summary(rollout)
     _event(session, rollout, "rollout.stratum_rolled_back", actor=actor, reason=reason,
            payload={"strata": sorted(names), "reverted_nodes": reverted, **(evidence or {})})
-    _finish_if_done(session, rollout, actor=actor, now=now, reason=reason)
+    _finish_if_done(session, rollout, before=before, actor=actor, now=now, reason=reason)
     return reverted
 
 
@@ -303,16 +328,21 @@ def pause_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, ac
                                                                            "step": row.step_index})
 
 
-def _finish_if_done(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, reason: str | None) -> None:
-    before = rollout.state
+def _finish_if_done(session: Session, rollout: Rollout, *, before: str, actor: str, now: dt.datetime,
+                    reason: str | None) -> None:
+    """Write the rollout's terminal event once its last live stratum ended: ``rollout.promoted``,
+    ``rollout.partly_promoted`` (with the strata of each outcome and their reasons) or ``rollout.rolled_back``
+    (which revokes the version); ``before`` is the rollout's state before the calling transition, so only the
+    transition that ends it writes the event."""
     _sync_summary(rollout)
     _touch(rollout, now)
     if rollout.state == before or rollout.state not in TERMINAL_STATES:
         return
-    if rollout.state == PROMOTED:
-        _event(session, rollout, "rollout.promoted", actor=actor, reason=reason, payload={
-            "promoted": [s.stratum for s in rollout.strata if s.state == PROMOTED],
-            "rolled_back": [s.stratum for s in rollout.strata if s.state == ROLLED_BACK]})
+    if rollout.state in (PROMOTED, PARTLY_PROMOTED):
+        by = outcomes(rollout)
+        _event(session, rollout, f"rollout.{rollout.state}", actor=actor, reason=reason, payload={
+            "promoted": by.get(PROMOTED, []), "rolled_back": by.get(ROLLED_BACK, []),
+            "reasons": {s.stratum: s.reason for s in rollout.strata if s.reason}})
         return
     _event(session, rollout, "rollout.rolled_back", actor=actor, reason=reason,
            payload={"strata": [s.stratum for s in rollout.strata]})
@@ -340,6 +370,11 @@ def position(rollout: Rollout) -> int:
     return -1 if rollout.state == PENDING else rollout.step_index
 
 
+def where(step_index: int) -> str:
+    """A :func:`position` as people read it: ``pending`` (-1) or ``at step N`` (N from 1)."""
+    return "pending (not started)" if step_index < 0 else f"at step {step_number(step_index)}"
+
+
 @guarded
 def promote(
     session: Session,
@@ -364,13 +399,13 @@ def promote(
     if rollout.state == ROLLED_BACK:
         raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
                        "start a new rollout (with force for a revoked version)")
-    if from_step is not None and (rollout.state == PROMOTED or position(rollout) != from_step):
-        at = "promoted (terminal)" if rollout.state == PROMOTED else (
-            f"{rollout.state} at step {position(rollout)}")
-        raise Conflict(f"rollout {rollout_id} is {at}, not at step {from_step}: it was already promoted from "
-                       f"step {from_step} or changed meanwhile; nothing was changed (check `kernelctl rollout "
+    ended = rollout.state in (PROMOTED, PARTLY_PROMOTED)
+    if from_step is not None and (ended or position(rollout) != from_step):
+        at = f"{rollout.state} (terminal)" if ended else where(position(rollout))
+        raise Conflict(f"rollout {rollout_id} is {at}, not {where(from_step)}: it was already promoted from "
+                       f"there or changed meanwhile; nothing was changed (check `kernelctl rollout "
                        f"status {rollout_id}`)")
-    if rollout.state == PROMOTED:
+    if ended:
         return rollout
     if rollout.state == PENDING:
         begin(session, rollout, actor=actor, now=now, reason=reason)
@@ -404,19 +439,27 @@ def rollback(
     strata: Iterable[str] | None = None,
     now: dt.datetime | None = None,
 ) -> Rollout:
-    """Return canaries to stable at once; whole rollout (version revoked) or listed strata (marked incompatible)."""
+    """Return canaries to stable at once: every live stratum, or the listed strata (marked incompatible there).
+
+    Rolling back every stratum revokes the version. When a stratum was already promoted the version stays
+    stable there: the rolled-back strata are marked incompatible instead and the rollout ends
+    ``partly_promoted`` (never ``promoted``)."""
     now = now or utcnow()
     if not reason or not reason.strip():
         raise Invalid("a rollback needs a reason (it is recorded in the changelog)")
     rollout = get_rollout(session, rollout_id, lock=True)
     if rollout.state == PROMOTED:
         raise Conflict(f"rollout {rollout_id} is promoted (terminal): roll forward with a new rollout instead")
+    # partly_promoted: nothing is live; a repeated rollback is a no-op and naming a promoted stratum a Conflict
     if rollout.state == ROLLED_BACK:
         return rollout
     by_name = {s.stratum: s for s in rollout.strata}
     if strata is None:
         rows = _live_rows(rollout)
-        rollback_strata(session, rollout, rows, actor=actor, reason=reason, now=now, mark_incompatible=False)
+        # strata already promoted keep the version stable there: it is not revoked, so mark it incompatible
+        # where it is rolled back (compat shows rolled_back, and nothing re-rolls it there by accident)
+        partly = any(s.state == PROMOTED for s in rollout.strata)
+        rollback_strata(session, rollout, rows, actor=actor, reason=reason, now=now, mark_incompatible=partly)
     else:
         wanted = list(dict.fromkeys(strata))
         if not wanted:

@@ -50,7 +50,7 @@ def _notifier(state: AppState) -> Notifier | None:
     if not targets:
         return None
     return Notifier(state.factory, targets, is_leader=lambda: state.elector.is_leader,
-                    timeout=s.notify_timeout_seconds, attempts=s.notify_attempts)
+                    timeout=s.notify_timeout_seconds, attempts=s.notify_attempts, public_url=s.public_url)
 
 
 def start_hub(state: AppState) -> DesiredHub:

@@ -106,6 +106,9 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     _raise_fd_limit()
     sock = bind_socket(settings.listen_host, settings.listen_port)
     host, port = sock.getsockname()[:2]
+    if settings.public_url is None and host not in ("0.0.0.0", "::"):  # notifications link to the bound address
+        shown = f"[{host}]" if ":" in host else host
+        settings = state.settings = settings.model_copy(update={"public_url": f"http://{shown}:{port}"})
     app = create_app(settings, state=state)
     protocol = protocol_class(settings.header_timeout_seconds, impl=settings.http_impl,  # type: ignore[arg-type]
                               max_header_bytes=settings.max_header_bytes)

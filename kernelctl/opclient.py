@@ -37,6 +37,10 @@ class TimedOut(Unreachable):
     """The controller did not answer in time (or a wait on it ran out)."""
 
 
+class NotController(OperatorError):
+    """The URL answered, but not as a kernelctl controller's API (an HTML page, say): a wrong ``--url``."""
+
+
 class ApiError(OperatorError):
     """The controller answered with an HTTP error; ``status`` and ``detail`` say which and why."""
 
@@ -82,7 +86,7 @@ def error_detail(resp: httpx.Response) -> str:
     try:
         detail = resp.json().get("detail")
     except (ValueError, AttributeError):
-        detail = resp.text.strip()[:300] or resp.reason_phrase
+        detail = (resp.text.strip().splitlines() or [""])[0][:300] or resp.reason_phrase
     if isinstance(detail, list):  # FastAPI validation errors: name the fields
         detail = "; ".join(
             (f"{field}: {d.get('msg')}" if (field := ".".join(str(x) for x in d.get("loc", [])[1:]))
@@ -110,8 +114,16 @@ def _transport_errors(url: str) -> Iterator[None]:
         raise Unreachable(f"cannot reach the controller at {url}: {exc}") from None
 
 
+_NOT_API = ("text/html", "application/xhtml+xml")  # what no /v1 route answers: a web page, not this API
+
+
 def _answer(method: str, path: str, resp: httpx.Response) -> Any:
-    """The decoded JSON (bytes for other content, None for none), or the typed error of an error answer."""
+    """The decoded JSON (bytes for other content, None for none), or the typed error of an error answer; a web
+    page (another server at that URL) is :class:`NotController`, one line, never its markup."""
+    if resp.headers.get("content-type", "").split(";")[0].strip().lower() in _NOT_API:
+        where = f"{resp.url.scheme}://{resp.url.netloc.decode('ascii', 'replace')}"
+        raise NotController(f"{where} is not a kernelctl controller: {method} {path} answered HTTP "
+                            f"{resp.status_code} with a web page (check --url or KERNELCTL_URL)")
     if resp.status_code >= 400:
         raise api_error(method, path, resp)
     if resp.headers.get("content-type", "").startswith("application/json"):

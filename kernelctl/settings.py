@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     )
     notify_timeout_seconds: float = Field(5.0, gt=0, description="Timeout of one webhook delivery attempt.")
     notify_attempts: int = Field(4, ge=1, le=20, description="Delivery attempts per notification (backoff).")
+    public_url: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/\S*)?$", description="The controller's URL as people reach it (e.g. "
+        "https://kernelctl.example.com); notifications link to the rollout's page there. Default: the address "
+        "`kernelctl serve` listens on, unless that is a wildcard (0.0.0.0, ::).")
 
     # --- CLI client -----------------------------------------------------------------------------
     url: str = Field("http://127.0.0.1:8080", description="Controller URL used by the operator CLI.")

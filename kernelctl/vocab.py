@@ -8,18 +8,40 @@ migration and a wire-contract change.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 # ------------------------------------------------------------------------------------------ rollouts
 # A rollout: pending -> progressing(step k) -> ... -> promoted; progressing <-> paused;
-# pending|progressing|paused -> rolled_back (controller/rollouts.py is the state machine).
+# pending|progressing|paused -> rolled_back; a rollout whose strata ended differently (some promoted, some
+# rolled back) ends partly_promoted (controller/rollouts.py is the state machine).
 PENDING, PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK = "pending", "progressing", "paused", "promoted", "rolled_back"
-ROLLOUT_STATES = (PENDING, PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK)
-TERMINAL_STATES = (PROMOTED, ROLLED_BACK)
+PARTLY_PROMOTED = "partly_promoted"  # 15 characters: fits the rollouts.state column (String(16))
+ROLLOUT_STATES = (PENDING, PROGRESSING, PAUSED, PROMOTED, PARTLY_PROMOTED, ROLLED_BACK)
+TERMINAL_STATES = (PROMOTED, PARTLY_PROMOTED, ROLLED_BACK)
 ACTIVE_STATES = (PENDING, PROGRESSING, PAUSED)
-# Each stratum of a rollout has its own state, from the same set (the rollout's state summarises them).
-STRATUM_STATES = ROLLOUT_STATES
-RolloutState = Literal["pending", "progressing", "paused", "promoted", "rolled_back"]
+# Each stratum of a rollout has its own state (the rollout's state summarises them); a stratum ends promoted
+# or rolled back, never partly.
+STRATUM_STATES = (PENDING, PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK)
+RolloutState = Literal["pending", "progressing", "paused", "promoted", "partly_promoted", "rolled_back"]
+
+
+def step_number(step_index: int) -> int:
+    """The step as people and JSON documents number it: from 1 (``step 1 of 4``).
+
+    One convention: every field or text called *step* is this number; only fields called ``step_index`` (the
+    database, the REST API's ``step_index``/``from_step``/``promote_from_step``) hold the 0-based position.
+    """
+    return step_index + 1
+
+
+def shown_steps(doc: dict[str, Any] | None) -> dict[str, Any]:
+    """A stored document (a changelog event's payload, a verdict's evidence: both keep the 0-based index as
+    ``step``, the database is not rewritten) as it is shown: ``step`` from 1."""
+    doc = doc or {}
+    return {**doc, "step": step_number(doc["step"])} if isinstance(doc.get("step"), int) else doc
+
+# ------------------------------------------------------------------------------------------ nodes
+NODE_STATES = ("active", "stale")  # a node without a heartbeat for stale_after_seconds is stale
 
 # ------------------------------------------------------------------------------------------ canaries
 # Trial before serve: a canary's candidate is staged (trialled, not served), verified (the controller

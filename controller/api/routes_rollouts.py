@@ -31,7 +31,7 @@ from controller.errors import ConcurrentWrite, Conflict, NotFound
 from controller.explain import RolloutExplain
 from controller.explain import explain as explain_rollout
 from kernelctl import wire
-from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES, stratum_key
+from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES, shown_steps, stratum_key
 
 RolloutId = Annotated[int, Path(ge=1, le=2**63 - 1, description="Rollout id.")]
 
@@ -49,7 +49,7 @@ def rollout_out(r: Rollout) -> RolloutOut:
 
 def _verdict_out(v: Verdict) -> VerdictOut:
     return VerdictOut(stratum=v.stratum, step_index=v.step_index, at=v.at, decision=v.decision, gate=v.gate,
-                      samples=v.samples, evidence=v.evidence or {})
+                      samples=v.samples, evidence=shown_steps(v.evidence))  # "step" from 1, as shown
 
 
 def rollout_detail(session: Session, rollout_id: int) -> RolloutDetail:

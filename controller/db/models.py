@@ -155,7 +155,7 @@ class Rollout(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     bundle_id: Mapped[int] = mapped_column(ForeignKey("bundles.id"), index=True)
     state: Mapped[str] = mapped_column(String(16), default="pending")
-    # pending | progressing | paused | promoted | rolled_back
+    # pending | progressing | paused | promoted | partly_promoted | rolled_back (kernelctl.vocab)
     step_index: Mapped[int] = mapped_column(Integer, default=0)
     plan: Mapped[dict[str, Any]]  # steps, blast radius, latency margin: the plan as started
     created_by: Mapped[str] = mapped_column(String(128))

@@ -134,7 +134,7 @@ def test_cli_formats_and_read_only(seeded) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["audit", "--node", "nope"], 2, "unknown node 'nope'"),
+        (["audit", "--node", "nope"], 4, "unknown node 'nope'"),  # not found (EXIT_NOT_FOUND)
         (["audit", "--since", "yesterday"], 2, "cannot parse time"),
         (["audit", "--at", "2026-11-01T00:00:00Z"], 2, "--at needs --node"),
         (["audit", "--format", "xml"], 2, "xml"),

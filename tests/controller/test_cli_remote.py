@@ -68,12 +68,12 @@ def test_rollout_driven_from_the_cli(ctl: ControllerProcess, bundles: TestBundle
     table = ok(kctl(ctl, "rollout", "status", str(rid), who="viewer"))
     assert "sm_90/drv550/triton3.6.0" in table and "progressing" in table
     # operator steps it: to 100%, then full promotion
-    ok(kctl(ctl, "promote", str(rid), "--from-step", "0", "--reason", "canary looks fine"))
+    ok(kctl(ctl, "promote", str(rid), "--from-step", "1", "--reason", "canary looks fine"))
     status = json.loads(ok(kctl(ctl, "rollout", "status", str(rid), "--json")))
     assert status["strata"][0]["step_index"] == 1 and status["strata"][0]["nodes"]["assigned"] == 3
     # the same command again is a duplicate: refused (exit 3), one line, nothing changes
-    dup = kctl(ctl, "promote", str(rid), "--from-step", "0", "--reason", "canary looks fine")
-    assert dup.returncode == 3 and "not at step 0" in dup.stderr and "Traceback" not in dup.stderr, dup.stderr
+    dup = kctl(ctl, "promote", str(rid), "--from-step", "1", "--reason", "canary looks fine")
+    assert dup.returncode == 3 and "not at step 1" in dup.stderr and "Traceback" not in dup.stderr, dup.stderr
     assert json.loads(ok(kctl(ctl, "rollout", "status", str(rid), "--json")))["step_index"] == 1
     ok(kctl(ctl, "promote", str(rid), "--full", "--reason", "ship it"))
     assert wait_state(ctl, rid, "promoted")["state"] == "promoted"

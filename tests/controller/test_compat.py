@@ -70,7 +70,7 @@ def test_compat_matrix_states(kit: Kit) -> None:
     with kit.tx() as s:
         rows = {(r.bundle, r.stratum): r for r in compat_matrix(s, bundle_name="llm-fused")}
     cand = rows[("llm-fused@1.1.0", "sm_90/drv550/triton3.6.0")]
-    assert (cand.state, cand.rollout_id, cand.step, cand.nodes, cand.eligible_nodes) == ("candidate", rid, 0, 2, 2)
+    assert (cand.state, cand.rollout_id, cand.step, cand.nodes, cand.eligible_nodes) == ("candidate", rid, 1, 2, 2)  # steps from 1
     with kit.tx() as s:
         rollback(s, rid, actor="op", reason="bad", strata=["sm_90/drv550/triton3.6.0"])
     with kit.tx() as s:

@@ -90,7 +90,7 @@ def test_every_transition_is_delivered_once_with_text_and_fields(kit: Kit, hook:
     handled = n.run_once(target)
     kinds = [(b["kind"], b["bundle"]) for b in hook.bodies]
     assert kinds == [
-        ("started", "llm-fused@1.0.0"), ("promoted", "llm-fused@1.0.0"),
+        ("started", "llm-fused@1.0.0"), ("stratum_promoted", "llm-fused@1.0.0"), ("promoted", "llm-fused@1.0.0"),
         ("started", "llm-fused@1.1.0"), ("step_advanced", "llm-fused@1.1.0"), ("rolled_back", "llm-fused@1.1.0"),
         ("started", "llm-fused@1.2.0"), ("paused", "llm-fused@1.2.0"),
     ]
@@ -105,6 +105,12 @@ def test_every_transition_is_delivered_once_with_text_and_fields(kit: Kit, hook:
     paused = by_kind["paused"]
     assert "inconclusive" in paused["text"] and paused["evidence"]["gate"] == "latency"
     assert by_kind["step_advanced"]["text"].endswith("advanced to step 2 in " + S90 + ": looks fine")
+    assert by_kind["step_advanced"]["step"] == 2 and rb["evidence"]["step"] == 2  # one numbering: from 1
+    # the state when it happened, not when it was sent (every rollout here has ended by now)
+    assert [b["rollout_state"] for b in hook.bodies if b["kind"] == "started"] == ["pending"] * 3
+    assert by_kind["step_advanced"]["rollout_state"] == "progressing"
+    assert by_kind["stratum_promoted"]["text"] == f"rollout 1: llm-fused@1.0.0 promoted in {S90} (at step 1): initial"
+    assert all(b["url"] is None for b in hook.bodies)  # no KERNELCTL_PUBLIC_URL: no link
     assert all(isinstance(b["text"], str) and b["event_id"] for b in hook.bodies)
     assert all(r["headers"]["Content-Type"] == "application/json" for r in hook.requests)
     delivered = kit.events(DELIVERED)
@@ -137,7 +143,41 @@ def test_not_leading_delivers_nothing(kit: Kit, hook: WebhookReceiver) -> None:
     leading["now"] = False
     assert n.run_once(n.targets[0]) == 0 and hook.bodies == []
     leading["now"] = True
-    assert n.run_once(n.targets[0]) == 7 and len(hook.bodies) == 7
+    assert n.run_once(n.targets[0]) == 8 and len(hook.bodies) == 8
+    n.stop(drain_seconds=1)
+
+
+def test_partly_promoted_rollout_is_said_so_with_a_link(kit: Kit, hook: WebhookReceiver) -> None:
+    """One stratum promoted by the judge, the other rolled back by an operator: a stratum_promoted message, a
+    rolled_back message and a partly_promoted one (never "promoted"), each with the rollout's state when it
+    happened and a link to the rollout's page."""
+    n = _notifier(kit, hook.url, public_url="https://kctl.example.com/")
+    n.run_once(n.targets[0])
+    s80 = "sm_80/drv550/triton3.6.0"
+    kit.nodes(2, prefix="h", arch="sm_90")
+    kit.nodes(2, prefix="a", arch="sm_80")
+    kit.push("1.1.0", archs=("sm_90", "sm_80"))
+    with kit.tx() as s:
+        rid = start_rollout(s, "llm-fused@1.1.0", actor="alice").id
+    with kit.tx() as s:
+        rollouts.begin(s, get_rollout(s, rid), actor="controller", now=T0)
+    with kit.tx() as s:
+        r = get_rollout(s, rid)
+        rollouts.promote_stratum(s, r, next(x for x in r.strata if x.stratum == S90), actor="controller", now=T0,
+                                 reason="judge: within margin")
+    with kit.tx() as s:
+        rollouts.rollback(s, rid, actor="operator:bob", reason="p99 regressed on A100")
+    n.run_once(n.targets[0])
+    got = [(b["kind"], b["rollout_state"], b["stratum"]) for b in hook.bodies]
+    assert got == [("started", "pending", None), ("stratum_promoted", "progressing", S90),
+                   ("rolled_back", "partly_promoted", s80), ("partly_promoted", "partly_promoted", None)]
+    page = f"https://kctl.example.com/ui/#/rollouts/{rid}"
+    assert all(b["url"] == page and b["text"].endswith(f" <{page}>") for b in hook.bodies)
+    last = hook.bodies[-1]
+    assert (last["promoted"], last["rolled_back"]) == ([S90], [s80])
+    assert last["text"].startswith(f"rollout {rid}: llm-fused@1.1.0 PARTLY PROMOTED: promoted on {S90}; "
+                                   f"rolled back on {s80}: {s80}: p99 regressed on A100")
+    assert not any(b["kind"] == "promoted" or "promoted on every" in b["text"] for b in hook.bodies)
     n.stop(drain_seconds=1)
 
 
@@ -201,7 +241,7 @@ def test_a_failing_webhook_is_recorded_logged_once_and_skipped(failure: str, kit
 def test_secrets_in_urls_never_reach_events_or_logs(kit: Kit, hook: WebhookReceiver,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     secret_url = f"http://bot:hunter2@127.0.0.1:{hook.port}/services/T0/SECRETPATH?token=s3cr3t"
-    hook.statuses = [500, 500, 200, 500]
+    hook.statuses = [500, 500, 200, 200, 500]
     n = _notifier(kit, secret_url, attempts=2, period=600)
     with caplog.at_level(logging.DEBUG):  # httpx logs every request URL at INFO: it must be redacted
         n.start()  # logs its targets
@@ -212,12 +252,13 @@ def test_secrets_in_urls_never_reach_events_or_logs(kit: Kit, hook: WebhookRecei
             rid = start_rollout(s, "llm-fused@1.0.0", actor="alice").id
         with kit.tx() as s:
             promote(s, rid, actor="alice", full=True)
-        assert n.run_once(n.targets[0]) == 2  # started: 500, 500 -> failed; promoted: 200 -> delivered
+        # started: 500, 500 -> failed; stratum promoted, promoted: 200 -> delivered
+        assert n.run_once(n.targets[0]) == 3
         n.stop(drain_seconds=5)
     assert hook.requests[0]["path"] == "/services/T0/SECRETPATH?token=s3cr3t"  # the real URL was used
     assert hook.requests[0]["headers"]["Authorization"].startswith("Basic ")
     events = kit.events(FAILED) + kit.events(DELIVERED)
-    assert [e.action for e in events] == [FAILED, DELIVERED]
+    assert [e.action for e in events] == [FAILED, DELIVERED, DELIVERED]
     assert "HTTP Request: POST" in caplog.text and "notifications to" in caplog.text
     dumped = json.dumps([[e.subject, e.reason, e.payload] for e in events]) + caplog.text
     for secret in ("hunter2", "SECRETPATH", "s3cr3t", "bot:"):

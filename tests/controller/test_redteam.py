@@ -311,14 +311,14 @@ def test_promote_counts_once_and_rollback_wins(ctl: ControllerProcess, bundles: 
         answers = list(pool.map(promote, [0] * 20))
     codes = sorted(r.status_code for r in answers)
     assert codes == [200] + [409] * 19, [(r.status_code, r.text[:200]) for r in answers]
-    assert all("not at step 0" in r.json()["detail"] for r in answers if r.status_code == 409)
+    assert all("not at step 1" in r.json()["detail"] for r in answers if r.status_code == 409)
     with ctl.client("operator") as op:
         assert op.get(f"/v1/rollouts/{rid}").json()["step_index"] == 1
     advanced = [e for e in events(ctl) if e["action"] == "rollout.advanced" and e["rollout_id"] == rid]
     assert len(advanced) == 1
     # the same from the CLI: a repeated command is refused with one line and exit 3
     one_line_error(kctl("--url", ctl.url, "--token", ctl.tokens["operator"], "promote", str(rid),
-                        "--from-step", "0", "--reason", "again"), 3, "not at step 0")
+                        "--from-step", "1", "--reason", "again"), 3, "not at step 1")
     one_line_error(kctl("--url", ctl.url, "--token", ctl.tokens["operator"], "promote", str(rid),
                         "--reason", "no step"), 2, "--from-step is required")
 

@@ -223,9 +223,83 @@ def test_per_stratum_rollback_other_stratum_continues(kit: Kit) -> None:
     assert len(kit.events("bundle.incompatible")) == 1
     with kit.tx() as s:
         promote(s, rid, actor="op", full=True)
+    with kit.tx() as s:  # one stratum promoted, one rolled back: partly promoted, never "promoted"
+        r = get_rollout(s, rid)
+        assert r.state == "partly_promoted" and s.get(Bundle, r.bundle_id).status == "registered"
+    assert not kit.events("rollout.promoted", rollout_id=rid)
+    (ev,) = kit.events("rollout.partly_promoted", rollout_id=rid)
+    assert ev.payload["promoted"] == [S90] and ev.payload["rolled_back"] == [S80]
+    assert ev.payload["reasons"][S80] == "mismatch on A100"
+
+
+def test_operator_rollback_of_a_partly_promoted_rollout(kit: Kit) -> None:
+    """One stratum promoted by the judge, then `kernelctl rollback ID` for the rest: the rollout ends
+    partly_promoted (the version stays stable where promoted, is marked incompatible where rolled back, and
+    is not revoked); compat never lists it eligible there; every repeat is a no-op or refused as before."""
+    from controller.compat import compat_matrix
+
+    kit.nodes(2, prefix="h", arch="sm_90")
+    kit.nodes(2, prefix="a", arch="sm_80")
+    kit.push("1.1.0", archs=("sm_90", "sm_80"))
+    rid = _start(kit)
+    _begin(kit, rid)
+    with kit.tx() as s:  # what a tick does when the judge promotes one stratum
+        r = get_rollout(s, rid)
+        rollouts.promote_stratum(s, r, next(x for x in r.strata if x.stratum == S90), actor="controller", now=T0,
+                                 reason="judge: within margin")
+    with kit.tx() as s:
+        assert get_rollout(s, rid).state == "progressing"
+        rollback(s, rid, actor="op", reason="p99 regressed on A100")
     with kit.tx() as s:
         r = get_rollout(s, rid)
-        assert r.state == "promoted" and s.get(Bundle, r.bundle_id).status == "registered"
+        assert r.state == "partly_promoted" and {x.stratum: x.state for x in r.strata} == {
+            S90: "promoted", S80: "rolled_back"}
+        assert s.get(Bundle, r.bundle_id).status == "registered"
+        assert s.scalar(select(Incompatibility.reason).where(Incompatibility.stratum == S80)) == "p99 regressed on A100"
+        cells = {c.stratum: c for c in compat_matrix(s, bundle_name="llm-fused")}
+        assert (cells[S90].state, cells[S80].state, cells[S80].reason) == ("stable", "rolled_back",
+                                                                         "p99 regressed on A100")
+    (back,) = kit.events("rollout.stratum_rolled_back", rollout_id=rid)
+    assert back.payload["strata"] == [S80] and back.payload["rollout_state"] == "partly_promoted"
+    assert [e.payload["rollout_state"] for e in kit.events("rollout.started", rollout_id=rid)] == ["pending"]
+    (done,) = kit.events("rollout.partly_promoted", rollout_id=rid)
+    assert done.payload["promoted"] == [S90] and done.payload["rolled_back"] == [S80]
+    assert not kit.events("rollout.promoted", rollout_id=rid) and not kit.events("bundle.revoked")
+    n = len(kit.events())
+    with kit.tx() as s:  # idempotent: a repeated rollback or full promote changes nothing
+        rollback(s, rid, actor="op", reason="p99 regressed on A100")
+        rollback(s, rid, actor="op", reason="again", strata=[S80])
+        promote(s, rid, actor="op", full=True)
+    assert len(kit.events()) == n
+    with pytest.raises(Conflict, match="already promoted"), kit.tx() as s:
+        rollback(s, rid, actor="op", reason="x", strata=[S90])
+    with pytest.raises(Conflict, match=r"partly_promoted \(terminal\), not at step 1"), kit.tx() as s:
+        promote(s, rid, actor="op", from_step=0)
+    for op in (lambda s: pause(s, rid, actor="x"), lambda s: resume(s, rid, actor="x")):
+        with pytest.raises(Conflict, match="partly_promoted"), kit.tx() as s:
+            op(s)
+
+
+def test_stored_promoted_rollout_with_a_rolled_back_stratum_keeps_its_state(kit: Kit) -> None:
+    """A rollout stored "promoted" before partly_promoted existed keeps its state; compat still never lists the
+    version eligible where its stratum was rolled back (read from the rollout's strata)."""
+    from controller.compat import compat_matrix
+    from controller.db.models import Rollout
+
+    kit.nodes(1, prefix="h", arch="sm_90")
+    kit.nodes(1, prefix="a", arch="sm_80")
+    kit.push("1.1.0", archs=("sm_90", "sm_80"))
+    rid = _start(kit)
+    _begin(kit, rid)
+    with kit.tx() as s:  # the old outcome: every stratum ended, the rollout says promoted, no incompatibility row
+        r = s.get(Rollout, rid)
+        for x in r.strata:
+            x.state, x.reason = ("promoted", None) if x.stratum == S90 else ("rolled_back", "operator: bad p99")
+        r.state = "promoted"
+    with kit.tx() as s:
+        assert get_rollout(s, rid).state == "promoted"
+        cells = {c.stratum: c for c in compat_matrix(s, bundle_name="llm-fused")}
+        assert (cells[S80].state, cells[S80].reason) == ("rolled_back", "operator: bad p99")
 
 
 def test_pause_resume_idempotent(kit: Kit) -> None:

@@ -133,7 +133,8 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("ui")
-    bundles = build_test_bundles(tmp / "bundles", versions=("1.0.0", "1.1.0", "1.2.0"), archs=("sm_80", "sm_90"))
+    bundles = build_test_bundles(tmp / "bundles", versions=("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"),
+                                 archs=("sm_80", "sm_90"))
     shots = artifacts_dir()
     print(f"\nUI screenshots: {shots}")
     driver = start_chromium(tmp)
@@ -147,7 +148,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         fleet.start()
         w = World(ctl, fleet, bundles, driver, shots)
         try:
-            for v in ("1.0.0", "1.1.0", "1.2.0"):
+            for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"):
                 assert w.api.post("/v1/bundles", content=bundles.files[v].read_bytes()).status_code == 201
             # the baseline: 1.0.0 stable everywhere (the operator promotes it fully; nothing to judge against)
             base = w.start_rollout("1.0.0", {"steps": [{"percent": 100, "bake_seconds": 0, "min_samples": 1}],
@@ -353,6 +354,53 @@ def test_operator_pauses_resumes_and_rolls_back_with_a_reason(world: World, roll
     # a bad filter is the API's one-line 422, shown on the page
     world.open("/audit?since=yesterday-ish")
     assert "since" in world.el("#view .error").text
+
+
+def test_a_partly_promoted_rollout_and_a_numeric_rollback_say_what_happened(world: World) -> None:
+    """An operator rolls back one stratum from the page, then promotes the rest: the page says partly_promoted
+    (not a green "promoted") with each stratum's outcome, and compat shows the version rolled back there. A
+    numeric rollback shows the failing check: op, dtype, shape, check, error against tolerance, and the nodes."""
+    a100, h100 = "sm_80/drv535/triton3.6.0", "sm_90/drv550/triton3.6.0"
+    rid = world.start_rollout("1.3.0", PLAN_B, "ui test: candidate 1.3.0")
+    world.sign_in("operator")
+    world.open(f"/rollouts/{rid}")
+    state = lambda: world.el("#rollout-state").get_attribute("data-state")  # noqa: E731
+    wait_for("rollout C progressing", lambda: state() == "progressing", 20)
+    world.el("#reason").send_keys("ui test: p99 regressed on A100")
+    world.el(f'#rollback-strata input[value="{a100}"]').click()
+    world.el("#btn-rollback").click()
+    assert a100 in world.accept_confirm()
+    wait_for("the A100 stratum rolled back", lambda: world.rollout(rid)["strata"] and {
+        s["stratum"]: s["state"] for s in world.rollout(rid)["strata"]}[a100] == "rolled_back", 20)
+    wait_for("promote enabled", lambda: world.el("#btn-promote").is_enabled())
+    world.el("#reason").send_keys("ui test: ship the rest")
+    world.el("#promote-full").click()
+    world.el("#btn-promote").click()
+    world.accept_confirm()
+    wait_for("partly promoted on the page", lambda: state() == "partly_promoted", 20)
+    badge = world.el("#rollout-state .badge")
+    assert badge.text == "partly_promoted" and "st-partly_promoted" in badge.get_attribute("class")
+    outcome = world.el("#rollout-outcome").text
+    assert f"promoted on {h100}" in outcome and f"rolled back on {a100}" in outcome, outcome
+    world.shot("rollout-partly-promoted")
+    world.open("/compat")
+    cell = world.el(f'td[data-cell="llm-fused@1.3.0 {a100}"]')
+    assert "rolled_back" in cell.text and "eligible" not in cell.text.split("nodes")[0], cell.text
+    assert "stable" in world.el(f'td[data-cell="llm-fused@1.3.0 {h100}"]').text
+
+    world.fleet.numeric_faults["1.4.0"] = {"op": "bias_gelu", "dtype": "fp32", "shape": {"M": 8, "N": 1032},
+                                           "max_abs_err": 0.317, "max_rel_err": 0.05, "within_tolerance": False,
+                                           "kind": "golden"}
+    rid = world.start_rollout("1.4.0", PLAN_B, "ui test: candidate 1.4.0 (numeric fault)")
+    world.open(f"/rollouts/{rid}")
+    wait_for("the numeric rollback", lambda: state() == "rolled_back", 30)
+    blocks = wait_for("the failing checks", lambda: world.els("#strata .failure"))
+    for b in blocks:
+        assert "bias_gelu fp32 M=8 N=1032" in b.text and "(golden)" in b.text and "max_abs_err 0.317 > atol" in b.text
+        assert "numeric_error report(s) from 1 node(s): ui-" in b.text, b.text
+    reasons = [r.text for r in world.els("#strata .reason")]
+    assert all("bias_gelu fp32 M=8 N=1032, golden check: max_abs_err 0.317" in r for r in reasons), reasons
+    world.shot("rollout-numeric-rollback")
 
 
 def test_nodes_and_compat_pages_show_node_data_as_text(world: World) -> None:

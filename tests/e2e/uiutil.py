@@ -52,6 +52,8 @@ class SimFleet:
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
         self.reports_accepted = 0
+        # candidate version -> a failing numeric check its trials report (outcome numeric_error)
+        self.numeric_faults: dict[str, dict[str, Any]] = {}
 
     def register(self) -> None:
         for n in self.nodes:
@@ -116,6 +118,13 @@ class SimFleet:
         n.trials += 1
         ratio = math.exp(self.effect + self.rng.gauss(0.0, self.noise))
         stable_s = 1e-4 * (1 + 0.05 * self.rng.random())
+        fault = self.numeric_faults.get(trial["candidate"]["version"])
+        if fault is not None:
+            return {"idempotency_key": f"ui-{n.name}-{n.trials}-{self.rng.getrandbits(32):08x}",
+                    "rollout_id": trial["rollout_id"], "stratum": trial["stratum"], "candidate": trial["candidate"],
+                    "stable": trial["stable"], "outcome": "numeric_error",
+                    "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(), "duration_s": 0.2,
+                    "latency": [], "numerics": [fault]}
         return {
             "idempotency_key": f"ui-{n.name}-{n.trials}-{self.rng.getrandbits(32):08x}",
             "rollout_id": trial["rollout_id"], "stratum": trial["stratum"],

@@ -7,7 +7,8 @@ import {ApiError, age, api, clock, fmtUnit, h, isNum, query, replace, setToken, 
 import {boundsPlot} from "./plot.js";
 
 const main = document.getElementById("main");
-const TERMINAL = new Set(["promoted", "rolled_back"]);
+// partly_promoted: the strata ended differently (some promoted, some rolled back); terminal
+const TERMINAL = new Set(["promoted", "partly_promoted", "rolled_back"]);
 const POLL_ROLLOUT_MS = 2000;
 const POLL_LIST_MS = 5000;
 const NODES_EVERY_MS = 5000;
@@ -15,7 +16,7 @@ const POLL_NODES_MS = 10000; // the nodes page re-renders the whole fleet: less 
 // metrics with an estimate and bounds judged against a margin get a plot; the others (launch counts, numeric
 // error, hard gates) are rows of the metrics table
 const PLOTTED_KINDS = new Set(["latency_cell", "latency_aggregate", "e2e", "memory"]);
-const ROLLOUT_STATES = ["pending", "progressing", "paused", "promoted", "rolled_back"];
+const ROLLOUT_STATES = ["pending", "progressing", "paused", "promoted", "partly_promoted", "rolled_back"];
 
 let me = null; // GET /v1/whoami: {name, role, actor}
 let stopView = null; // stops the current view's polling
@@ -270,6 +271,31 @@ function fmtMargin(margin, unit) {
   return unit === "ratio" ? `+${(margin * 100).toFixed(1)}% (${fmtUnit(1 + margin, unit)})` : fmtUnit(margin, unit);
 }
 
+/** What happened to each stratum of an ended rollout: "promoted on A · rolled back on B" ("" while live). */
+function outcomeText(detail) {
+  if (!TERMINAL.has(detail.state)) return "";
+  const by = {};
+  for (const s of detail.strata) (by[s.state] = by[s.state] || []).push(s.stratum);
+  return Object.keys(by).sort().map((st) => `${st.replace("_", " ")} on ${by[st].sort().join(", ")}`).join(" · ");
+}
+
+/** A numeric or mismatch rollback's failing check (controller/numeric_detail.py): op, dtype, shape, check,
+ * error against its tolerance, and the nodes. */
+function failureBlock(f) {
+  if (!f) return "";
+  const c = f.check || {};
+  const shape = Object.entries(c.shape || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+  const num = (x) => (isNum(x) && x !== 0 && Math.abs(x) < 1e-3 ? x.toExponential() : String(x));
+  const tol = f.tolerance ? `atol ${num(f.tolerance.atol)} + rtol ${num(f.tolerance.rtol)}·|ref|` : "its tolerance";
+  const err = c.failed === "vs_stable"
+    ? `max |candidate−stable| ${c.vs_stable_max_abs}` : `max_abs_err ${c.max_abs_err}`;
+  const reports = Object.entries(f.reports || {}).map(([o, n]) => `${n} ${o}`).join(", ");
+  return h("div", {class: "failure", "data-failure": c.op || ""},
+    h("strong", {}, "failed check: "), h("code", {}, [c.op, c.dtype, shape].filter(Boolean).join(" ")),
+    c.check ? ` (${c.check}${c.case ? "/" + c.case : ""})` : "", `: ${err} > ${tol}`, h("br"),
+    `${reports} report(s) from ${f.node_count} node(s): ${(f.nodes || []).join(", ")}`);
+}
+
 function metricPoints(ex, metric, unit) {
   return (ex.history || []).map((e) => {
     const m = (e.metrics || {})[metric] || {};
@@ -299,8 +325,9 @@ function stratumCard(detail, st, ex, nodes) {
       ex.deciding_metric ? h("span", {}, " deciding metric ", h("code", {}, ex.deciding_metric)) : "",
       ex.at ? h("span", {class: "muted"}, ` at ${clock(ex.at)}`) : "",
       h("br"), h("span", {class: "reason"}, ex.reason || st.reason || "")) : h("p", {class: "muted"}, st.reason || ""),
+    ex && ex.failure ? failureBlock(ex.failure) : "",
     // a stratum stopped by an operator (or paused) says why: that is not a verdict of the judge
-    st.reason && ex && st.reason !== ex.reason && st.state !== "progressing"
+    st.reason && ex && st.reason !== ex.reason && st.reason !== `judge: ${ex.reason}` && st.state !== "progressing"
       ? h("p", {class: "stratum-reason"}, h("strong", {}, `${st.state}: `), st.reason) : "",
     metricsSection(st.stratum, metrics),
     plotGroups(st.stratum, plots, byName, ex));
@@ -507,7 +534,8 @@ function rolloutView(section, id) {
     replace(head, h("h1", {}, `Rollout #${detail.id} `, h("span", {class: "bundle"}, detail.bundle)),
       h("span", {id: "rollout-state", "data-state": detail.state}, stateBadge(detail.state)),
       h("span", {class: "muted", id: "rollout-step", "data-step": detail.step_index},
-        ` step ${Math.min(detail.step_index + 1, detail.steps.length)} of ${detail.steps.length}`));
+        ` step ${Math.min(detail.step_index + 1, detail.steps.length)} of ${detail.steps.length}`),
+      outcomeText(detail) ? h("p", {class: "outcome", id: "rollout-outcome"}, outcomeText(detail)) : "");
     replace(meta, `started by ${detail.created_by} ${age(detail.created_at)} ago (${clock(detail.created_at)})`,
       detail.forced ? " · forced" : "", detail.reason ? ` · ${detail.reason}` : "",
       ` · plan: ${detail.steps.map(stepLabel).join(" → ")}`);
@@ -574,7 +602,7 @@ function compatView(section, params) {
         const c = cell[`${ref}\n${s}`];
         if (!c) return h("td", {}, "-");
         return h("td", {"data-cell": `${ref} ${s}`, title: c.reason || ""}, stateBadge(c.state),
-          c.step !== null && c.step !== undefined ? ` step ${c.step + 1}` : "",
+          c.step !== null && c.step !== undefined ? ` step ${c.step}` : "",
           c.rollout_id ? [" ", h("a", {href: `#/rollouts/${c.rollout_id}`}, `#${c.rollout_id}`)] : "",
           c.phases ? h("div", {class: "small"}, Object.entries(c.phases).map(([ph, k]) => `${ph} ${k}`).join(" · ")) : "",
           h("div", {class: "muted small"}, `${c.eligible_nodes}/${c.nodes} nodes eligible`));
