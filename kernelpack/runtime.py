@@ -6,7 +6,8 @@ The agent publishes ``active.json`` in the runtime directory (``$KERNELCTL_RUNTI
                    "stable": {"version": "1.0.0", "path": "...", "digest": "..."}}}
 
 with :func:`publish_active` (read-modify-write under a lock file, write-to-temp + fsync + ``os.replace``), so
-a reader sees either the old or the new document, never a mix. :func:`get_op` re-reads the file when its
+a reader sees either the old or the new document, never a mix; :func:`unpublish_active` removes a withdrawn
+bundle the same way (no version of it serves: ``get_op`` falls back to the PyTorch reference). :func:`get_op` re-reads the file when its
 inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
 the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
 changed); loaded versions stay cached by digest so switching back is instant.
@@ -86,16 +87,37 @@ def publish_active(
     stable: ActiveRef | Mapping[str, Any] | None = None,
 ) -> None:
     """Atomically set the active (and stable) version of ``bundle_name`` for this node's serving processes."""
-    runtime_dir = Path(runtime_dir)
-    runtime_dir.mkdir(parents=True, exist_ok=True)
     try:
         entry = ActiveEntry(version=version, path=str(path), digest=digest, stable=_ref(stable))
     except ValidationError as exc:
         raise ValueError(f"invalid active entry for {bundle_name}: {exc.errors()[0]['msg']}") from exc
+
+    def put(doc: dict[str, Any]) -> bool:
+        doc[bundle_name] = entry.model_dump(mode="json")
+        return True
+
+    _rewrite(Path(runtime_dir), put)
+
+
+def unpublish_active(runtime_dir: Path, bundle_name: str) -> bool:
+    """Atomically remove ``bundle_name`` from the published versions (it was withdrawn: no version of it may
+    serve); serving code then falls back to the PyTorch reference. False when it was not published."""
+
+    def drop(doc: dict[str, Any]) -> bool:
+        return doc.pop(bundle_name, None) is not None
+
+    return _rewrite(Path(runtime_dir), drop)
+
+
+def _rewrite(runtime_dir: Path, change: Callable[[dict[str, Any]], bool]) -> bool:
+    """Read-modify-write of the active document under its lock file: ``change`` edits the document in place
+    and says whether it changed; a changed document replaces the old one atomically (temp + fsync + rename)."""
+    runtime_dir.mkdir(parents=True, exist_ok=True)
     with open(runtime_dir / f"{ACTIVE_FILE}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc = {k: v.model_dump(mode="json") for k, v in read_active(runtime_dir).items()}
-        doc[bundle_name] = entry.model_dump(mode="json")
+        if not change(doc):
+            return False
         fd, tmp = tempfile.mkstemp(dir=runtime_dir, prefix=f".{ACTIVE_FILE}.")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -106,6 +128,7 @@ def publish_active(
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    return True
 
 
 def reference_op(name: str) -> BoundOp:
