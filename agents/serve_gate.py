@@ -65,20 +65,23 @@ def size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _memory(c: CellResources, margin: float, free: int | None) -> list[tuple[str, float, str]]:
+Severity = tuple[float, float]  # (ratio, bytes or calls): the worst cell first
+
+
+def _memory(c: CellResources, margin: float, free: int | None) -> list[tuple[str, Severity, str]]:
     """(gate, severity, text) of the memory gates failing at one cell."""
-    out: list[tuple[str, float, str]] = []
+    out: list[tuple[str, Severity, str]] = []
     ca, st = c.candidate_peak_bytes, c.stable_peak_bytes
     if ca is None:
         return out
     cell = f"{c.op}@{c.tokens}"
     if free is not None and ca > free:
-        out.append(("headroom", ca / max(free, 1), f"{cell}: candidate peak {size(ca)} past the node's free memory "
+        out.append(("headroom", (ca / max(free, 1), ca), f"{cell}: candidate peak {size(ca)} past the node's free memory "
                     f"{size(free)}"))
     if st is not None:
         ratio = ca / st if st > 0 else (1.0 if ca <= 0 else float("inf"))
         if ratio > 1 + margin:
-            out.append(("memory", ratio, f"{cell}: candidate peak {size(ca)} = {ratio:.2f}x stable's {size(st)} "
+            out.append(("memory", (ratio, ca), f"{cell}: candidate peak {size(ca)} = {ratio:.2f}x stable's {size(st)} "
                         f"(margin {margin:.0%})"))
     return out
 
@@ -88,7 +91,7 @@ def judge_trial(report: TrialReport, spec: TrialSpec) -> ServeVerdict:
     cand = f"{spec.candidate.name}@{spec.candidate.version}"
     if report.outcome != "ok":
         return ServeVerdict(cand, "outcome", (f"outcome: the trial ended {report.outcome}",))
-    found: dict[str, list[tuple[float, str]]] = {"headroom": [], "memory": [], "launches": []}
+    found: dict[str, list[tuple[Severity, str]]] = {"headroom": [], "memory": [], "launches": []}
     warnings: list[str] = []
     for c in sorted(report.resources, key=lambda c: (c.op, c.tokens)):
         for gate, severity, text in _memory(c, spec.memory_margin, report.free_memory_bytes):
@@ -99,10 +102,10 @@ def judge_trial(report: TrialReport, spec: TrialSpec) -> ServeVerdict:
             if spec.launch_gate == "warn":
                 warnings.append(text)
             else:
-                found["launches"].append((c.candidate_launches / max(c.stable_launches, 1), text))
+                found["launches"].append(((c.candidate_launches / max(c.stable_launches, 1), c.candidate_launches), text))
     for gate in ("headroom", "memory", "launches"):  # the one that can take a serving process down first
         if found[gate]:
-            ranked = [t for g in ("headroom", "memory", "launches") for _s, t in sorted(found[g], key=lambda x: -x[0])]
+            ranked = [t for g in ("headroom", "memory", "launches") for _s, t in sorted(found[g], key=lambda x: x[0], reverse=True)]
             return ServeVerdict(cand, gate, tuple(ranked), tuple(warnings))
     return ServeVerdict(cand, None, (), tuple(warnings))
 

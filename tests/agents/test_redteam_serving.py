@@ -19,6 +19,7 @@ that margin to the node, which then serves the memory fixture.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -34,7 +35,9 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from agents.serve_gate import judge_trial
 from controller.db.models import Node, Report
+from kernelctl.wire import BundleRef, CellResources, TrialReport, TrialSpec
 from kernelpack.runtime import read_active
 from tests import dbutil
 from tests.agents.agentutil import FAST_PROFILE, REPO_ROOT, AgentProcess, push_bundle, start_rollout, wait_for
@@ -187,8 +190,8 @@ def test_withdrawn_stable_version_is_no_longer_served_nor_a_fallback(serving_fle
     wait_for(lambda: _published(agent) != "1.0.0", 60, "the withdrawn stable 1.0.0 to stop serving",
              on_timeout=lambda: f"active.json: {read_active(agent.runtime_dir)}\n" + _why(agent, ctl=ctl))
     _serving_wait(serving, "llm-fused@1.1.0", "the stratum's first version to serve after its trial", agent)
-    hist = serving.history()
-    assert hist.index("reference", hist.index("llm-fused@1.0.0")) < hist.index("llm-fused@1.1.0"), hist
+    hist = serving.history()  # staged: 1.0.0 gave way to the PyTorch reference, then the verified 1.1.0
+    assert hist[hist.index("llm-fused@1.0.0"):][:3] == ["llm-fused@1.0.0", "reference", "llm-fused@1.1.0"], hist
     entry = read_active(agent.runtime_dir)["llm-fused"]
     assert (entry.version, entry.stable) == ("1.1.0", None), entry  # the withdrawn 1.0.0 is no fallback
     # and when that first version is rolled back, nothing of llm-fused serves (not the old stable either)
@@ -288,7 +291,7 @@ def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, sw
                 rid = start_rollout(op, f"llm-fused@{fault}", OPEN)["id"]
                 # no judge tick: the operator starts the step; the controller verifies on the node's ok report
                 assert op.post(f"/v1/rollouts/{rid}/promote", json={"from_step": -1, "reason": "test: first step"}).status_code == 200
-                wait_for(lambda: _phase(op) == "verified" and len(_reports(url, rid)) >= 2, 240,
+                wait_for(lambda: _phase(op) in ("verified", "serving") and len(_reports(url, rid)) >= 2, 240,
                          "the controller to verify the candidate, and a second trial report after it",
                          on_timeout=lambda: _why(agent, ctl=ctl))
             assert seen.seen == {"1.1.0"}, seen.seen  # never published, though the controller names it active
@@ -296,6 +299,7 @@ def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, sw
             outcome, detail = _reports(url, rid)[0]
             assert outcome == "ok", detail  # a measured trial, reported as such: the judge keeps the fleet view
             first = detail["text"].splitlines()[0]
+            print(first)
             assert first.startswith(f"node-local gate failed: {gate} swiglu@"), first
             assert first.endswith(f"this node does not serve llm-fused@{fault}"), first
             if gate == "memory":
@@ -308,9 +312,10 @@ def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, sw
             agent.stop()
 
 
-def test_the_plans_memory_margin_reaches_the_node(swiglu: BuiltBundles, sm90_overrides: Path, tmp_path: Path) -> None:
+def test_the_plans_memory_margin_reaches_the_node(db_backend: str, swiglu: BuiltBundles, sm90_overrides: Path,
+                                                  tmp_path: Path) -> None:
     """Sent with the trial: a plan that allows 20x the stable's peak memory is served by the node."""
-    with dbutil.fresh_database("sqlite", tmp_path) as url, \
+    with dbutil.fresh_database(db_backend, tmp_path) as url, \
             ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
@@ -328,3 +333,73 @@ def test_the_plans_memory_margin_reaches_the_node(swiglu: BuiltBundles, sm90_ove
             assert first == "node-local gates passed for llm-fused@1.2.0-fault.memory", first
         finally:
             agent.stop()
+
+
+def test_serve_before_trial_switches_back_when_the_nodes_trial_refuses(db_backend: str, swiglu: BuiltBundles,
+                                                                      sm90_overrides: Path, tmp_path: Path) -> None:
+    """The opt-out serves the candidate before its trial; the node's own refusal puts it back on stable."""
+    with dbutil.fresh_database(db_backend, tmp_path) as url, \
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+        op = ctl.client("operator")
+        for v in swiglu.paths:
+            push_bundle(op, swiglu.paths[v])
+        agent = _agent(tmp_path, ctl, swiglu.trusted_dir, sm90_overrides).start()
+        try:
+            _registered(op, agent)
+            _promote_everywhere(op, "llm-fused@1.1.0")
+            wait_for(lambda: _published(agent) == "1.1.0", 60, "stable 1.1.0 to serve", on_timeout=lambda: _why(agent))
+            rid = start_rollout(op, "llm-fused@1.2.0-fault.memory", {**OPEN, "serve_before_trial": True})["id"]
+            assert op.post(f"/v1/rollouts/{rid}/promote", json={"from_step": -1, "reason": "test"}).status_code == 200
+            wait_for(lambda: _published(agent) == "1.2.0-fault.memory", 60, "the candidate to serve before its trial",
+                     on_timeout=lambda: _why(agent, ctl=ctl))
+            wait_for(lambda: _reports(url, rid), 240, "its trial report", on_timeout=lambda: _why(agent, ctl=ctl))
+            wait_for(lambda: _published(agent) == "1.1.0", 30, "the node to switch back to stable",
+                     on_timeout=lambda: _why(agent, ctl=ctl))
+            wait_for(lambda: _phase(op) == "verified", 30, "the controller to see it no longer served")
+            time.sleep(2.5)  # more heartbeats: the controller still names it active, the node keeps refusing
+            assert _published(agent) == "1.1.0"
+        finally:
+            agent.stop()
+
+
+# ------------------------------------------------------------------------------ the verdict, gate by gate
+def _report(*cells: CellResources, free: int | None = None, outcome: str = "ok") -> TrialReport:
+    return TrialReport(idempotency_key="rt-1:0123456789", rollout_id=1, stratum="s", candidate=CAND, stable=STABLE,
+                       outcome=outcome, measured_at=dt.datetime.now(dt.timezone.utc), resources=list(cells),
+                       free_memory_bytes=free)
+
+
+CAND = BundleRef(name="llm-fused", version="1.2.0", digest="c" * 64)
+STABLE = BundleRef(name="llm-fused", version="1.1.0", digest="5" * 64)
+SPEC = TrialSpec(rollout_id=1, stratum="s", candidate=CAND, stable=STABLE)
+
+
+def test_verdict_names_the_gate_and_figures_of_the_worst_cell() -> None:
+    cell = CellResources(op="swiglu", tokens=64, stable_peak_bytes=1 << 20, candidate_peak_bytes=7 << 20,
+                         stable_launches=1, candidate_launches=1)
+    small = CellResources(op="swiglu", tokens=1, stable_peak_bytes=1000, candidate_peak_bytes=7000,
+                          stable_launches=1, candidate_launches=2)
+    v = judge_trial(_report(small, cell, free=80 << 30), SPEC)
+    assert (v.ok, v.gate) == (False, "memory")
+    assert v.line() == ("node-local gate failed: memory swiglu@64: candidate peak 7 MiB = 7.00x stable's 1 MiB "
+                        "(margin 10%) (+2 more); this node does not serve llm-fused@1.2.0")
+    assert v.failures[2] == "launches swiglu@1: 2 per call vs stable's 1"
+    # past the node's free memory comes first: it takes a serving process down
+    v = judge_trial(_report(cell, free=6 << 20), SPEC)
+    assert v.gate == "headroom" and v.failures[0] == ("headroom swiglu@64: candidate peak 7 MiB past the node's free "
+                                                      "memory 6 MiB")
+    # the plan's margin and launch gate, as sent with the trial
+    wide = SPEC.model_copy(update={"memory_margin": 9.0, "launch_gate": "warn"})
+    v = judge_trial(_report(small, cell), wide)
+    assert v.ok and v.warnings == ("launches swiglu@1: 2 per call vs stable's 1",), v
+    assert v.line() == ("node-local gates passed for llm-fused@1.2.0 (warnings: launches swiglu@1: 2 per call vs "
+                        "stable's 1)")
+    # within the margin, same launches: served; a hard failure never is
+    same = CellResources(op="swiglu", tokens=64, stable_peak_bytes=1000, candidate_peak_bytes=1100,
+                         stable_launches=1, candidate_launches=1)
+    assert judge_trial(_report(same), SPEC).ok
+    assert judge_trial(_report(same, outcome="crash"), SPEC).gate == "outcome"
+    # a first version (no stable figures): headroom only
+    first = CellResources(op="swiglu", tokens=64, candidate_peak_bytes=7 << 20, candidate_launches=3)
+    assert judge_trial(_report(first, free=8 << 20), SPEC).ok
+    assert judge_trial(_report(first, free=1 << 20), SPEC).gate == "headroom"
