@@ -8,7 +8,10 @@ The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox a
 trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
 the active version only after it accepted this node's hard-gates-passed trial report; that bumps the
 generation, so the watch returns with the switch; after every switch the next heartbeat goes at once (the
-controller learns what serves). Overload (429/503 with ``Retry-After``) is retried with backoff and jitter;
+controller learns what serves). The node's own verdict on each trial (``agents.serve_gate``: memory over
+stable's margin or past the free memory, more launches than stable) is recorded before its report is sent; a
+candidate it refused is never served, whatever the controller names. What the controller does not name is
+unpublished (withdrawn: serving falls back to the PyTorch reference). Overload (429/503 with ``Retry-After``) is retried with backoff and jitter;
 reports stay in the outbox meanwhile. Trials run one at a time in a helper thread that owns the trial child; the duty cycle and
 the memory headroom are checked before a trial starts. SIGTERM (``request_stop``) kills a running trial's
 process group, keeps the outbox and ends the loop; a restarted agent resumes from its cache dir (node token,

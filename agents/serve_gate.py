@@ -21,7 +21,7 @@ A first version (no stable) is judged on headroom and outcome only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kernelctl.wire import CellResources, TrialReport, TrialSpec
@@ -34,7 +34,7 @@ class ServeVerdict:
     candidate: str  # name@version
     gate: str | None
     failures: tuple[str, ...] = ()  # every failure, worst first: "<gate> <op>@<tokens>: figures"
-    warnings: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = ()  # launches over stable under a plan's launch_gate "warn"
 
     @property
     def ok(self) -> bool:

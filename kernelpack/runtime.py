@@ -96,6 +96,7 @@ def publish_active(
         doc[bundle_name] = entry.model_dump(mode="json")
         return True
 
+    Path(runtime_dir).mkdir(parents=True, exist_ok=True)
     _rewrite(Path(runtime_dir), put)
 
 
@@ -106,13 +107,12 @@ def unpublish_active(runtime_dir: Path, bundle_name: str) -> bool:
     def drop(doc: dict[str, Any]) -> bool:
         return doc.pop(bundle_name, None) is not None
 
-    return _rewrite(Path(runtime_dir), drop)
+    return Path(runtime_dir).is_dir() and _rewrite(Path(runtime_dir), drop)
 
 
 def _rewrite(runtime_dir: Path, change: Callable[[dict[str, Any]], bool]) -> bool:
     """Read-modify-write of the active document under its lock file: ``change`` edits the document in place
     and says whether it changed; a changed document replaces the old one atomically (temp + fsync + rename)."""
-    runtime_dir.mkdir(parents=True, exist_ok=True)
     with open(runtime_dir / f"{ACTIVE_FILE}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc = {k: v.model_dump(mode="json") for k, v in read_active(runtime_dir).items()}
