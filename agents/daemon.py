@@ -145,7 +145,8 @@ class Agent:
         self._reap_stale_child()
         self.active = {k: BundleRef(**v) for k, v in (self.outbox.get_state("active") or {}).items()}
         self.stable = {k: BundleRef(**v) for k, v in (self.outbox.get_state("stable") or {}).items()}
-        self.verdicts = {k: ServeVerdict.from_state(v) for k, v in (self.outbox.get_state("serve_verdicts") or {}).items()}
+        self.verdicts = {k: ServeVerdict.from_state(v)
+                         for k, v in (self.outbox.get_state("serve_verdicts") or {}).items()}
         self.runner = TrialRunner(TrialConfig(
             node=self.node, trusted_keys_dir=cfg.trusted_keys_dir, loader_cache_dir=self.cache.loader_dir,
             work_root=cfg.cache_dir / "trials", timeout_s=cfg.trial_timeout_s, profile=cfg.profile,

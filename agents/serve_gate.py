@@ -54,7 +54,8 @@ class ServeVerdict:
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> ServeVerdict:
-        return cls(str(d["candidate"]), d.get("gate"), tuple(d.get("failures") or ()), tuple(d.get("warnings") or ()))
+        return cls(str(d["candidate"]), d.get("gate"), tuple(d.get("failures") or ()),
+                   tuple(d.get("warnings") or ()))
 
 
 def size(n: float) -> str:
@@ -66,6 +67,7 @@ def size(n: float) -> str:
 
 
 Severity = tuple[float, float]  # (ratio, bytes or calls): the worst cell first
+GATES = ("headroom", "memory", "launches")
 
 
 def _memory(c: CellResources, margin: float, free: int | None) -> list[tuple[str, Severity, str]]:
@@ -76,13 +78,13 @@ def _memory(c: CellResources, margin: float, free: int | None) -> list[tuple[str
         return out
     cell = f"{c.op}@{c.tokens}"
     if free is not None and ca > free:
-        out.append(("headroom", (ca / max(free, 1), ca), f"{cell}: candidate peak {size(ca)} past the node's free memory "
-                    f"{size(free)}"))
+        out.append(("headroom", (ca / max(free, 1), ca),
+                    f"{cell}: candidate peak {size(ca)} past the node's free memory {size(free)}"))
     if st is not None:
         ratio = ca / st if st > 0 else (1.0 if ca <= 0 else float("inf"))
         if ratio > 1 + margin:
-            out.append(("memory", (ratio, ca), f"{cell}: candidate peak {size(ca)} = {ratio:.2f}x stable's {size(st)} "
-                        f"(margin {margin:.0%})"))
+            out.append(("memory", (ratio, ca),
+                        f"{cell}: candidate peak {size(ca)} = {ratio:.2f}x stable's {size(st)} (margin {margin:.0%})"))
     return out
 
 
@@ -91,7 +93,7 @@ def judge_trial(report: TrialReport, spec: TrialSpec) -> ServeVerdict:
     cand = f"{spec.candidate.name}@{spec.candidate.version}"
     if report.outcome != "ok":
         return ServeVerdict(cand, "outcome", (f"outcome: the trial ended {report.outcome}",))
-    found: dict[str, list[tuple[Severity, str]]] = {"headroom": [], "memory": [], "launches": []}
+    found: dict[str, list[tuple[Severity, str]]] = {g: [] for g in GATES}
     warnings: list[str] = []
     for c in sorted(report.resources, key=lambda c: (c.op, c.tokens)):
         for gate, severity, text in _memory(c, spec.memory_margin, report.free_memory_bytes):
@@ -102,12 +104,12 @@ def judge_trial(report: TrialReport, spec: TrialSpec) -> ServeVerdict:
             if spec.launch_gate == "warn":
                 warnings.append(text)
             else:
-                found["launches"].append(((c.candidate_launches / max(c.stable_launches, 1), c.candidate_launches), text))
-    for gate in ("headroom", "memory", "launches"):  # the one that can take a serving process down first
-        if found[gate]:
-            ranked = [t for g in ("headroom", "memory", "launches") for _s, t in sorted(found[g], key=lambda x: x[0], reverse=True)]
-            return ServeVerdict(cand, gate, tuple(ranked), tuple(warnings))
-    return ServeVerdict(cand, None, (), tuple(warnings))
+                found["launches"].append(((c.candidate_launches / max(c.stable_launches, 1), c.candidate_launches),
+                                          text))
+    # the gate that can take a serving process down first, then each gate's worst cell first
+    ranked = [t for g in GATES for _s, t in sorted(found[g], key=lambda x: x[0], reverse=True)]
+    gate = next((g for g in GATES if found[g]), None)
+    return ServeVerdict(cand, gate, tuple(ranked), tuple(warnings))
 
 
 def annotate(report: TrialReport, verdict: ServeVerdict) -> TrialReport:

@@ -70,7 +70,8 @@ class PlanSpec(BaseModel):
         60.0, ge=0, description="A repeated hold is recorded as a verdict at most this often."
     )
     memory_margin: float = Field(
-        DEFAULT_MEMORY_MARGIN, ge=0, le=100, description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
+        DEFAULT_MEMORY_MARGIN, ge=0, le=100,
+        description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
     launch_gate: LaunchGate = Field(
         "rollback", description="More Triton launches per call than stable at any size: roll back, or warn.")
     e2e_margin: float = Field(0.03, gt=0, lt=1, description="Allowed end-to-end decoder-block slowdown.")

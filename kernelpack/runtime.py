@@ -7,8 +7,8 @@ The agent publishes ``active.json`` in the runtime directory (``$KERNELCTL_RUNTI
 
 with :func:`publish_active` (read-modify-write under a lock file, write-to-temp + fsync + ``os.replace``), so
 a reader sees either the old or the new document, never a mix; :func:`unpublish_active` removes a withdrawn
-bundle the same way (no version of it serves: ``get_op`` falls back to the PyTorch reference). :func:`get_op` re-reads the file when its
-inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
+bundle the same way (no version of it serves: ``get_op`` falls back to the PyTorch reference).
+:func:`get_op` re-reads the file when its inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
 the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
 changed); loaded versions stay cached by digest so switching back is instant.
 
