@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kernelctl.wire import BundleRef
 from kernelpack.errors import BundleError
+from kernelpack.runtime import ActiveRef, publish_active, unpublish_active
 from kernelpack.verify import verify_path
 
 log = logging.getLogger("kernelctl.agent.cache")
@@ -117,10 +118,9 @@ class BundleCache:
     def publish(self, runtime_dir: Path, active: dict[str, BundleRef], stable: dict[str, BundleRef]) -> None:
         """Publish each bundle's active (and stable) version for serving code (``kernelpack.runtime``).
 
-        Only staged (verified) versions are published; each bundle is one atomic write+rename.
+        Only staged (verified) versions are published; each bundle is one atomic write+rename. A bundle's
+        entry names its stable version only when ``stable`` has one (a withdrawn stable is no fallback).
         """
-        from kernelpack.runtime import ActiveRef, publish_active
-
         for name, ref in sorted(active.items()):
             if not self.has(ref):
                 log.error("not publishing %s@%s: it is not staged", ref.name, ref.version)
@@ -132,12 +132,7 @@ class BundleCache:
             )
             publish_active(runtime_dir, name, ref.version, self.path_of(ref.digest), ref.digest, st_ref)
 
-    def unpublish(self, runtime_dir: Path, name: str) -> bool:
-        """Remove ``name`` from the published versions when kernelpack.runtime offers it; False otherwise."""
-        from kernelpack import runtime
-
-        fn = getattr(runtime, "unpublish_active", None)
-        if fn is None:
-            return False
-        fn(runtime_dir, name)
-        return True
+    @staticmethod
+    def unpublish(runtime_dir: Path, name: str) -> bool:
+        """Remove ``name`` from the published versions (withdrawn); False when it was not published."""
+        return unpublish_active(runtime_dir, name)

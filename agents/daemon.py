@@ -8,7 +8,10 @@ The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox a
 trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
 the active version only after it accepted this node's hard-gates-passed trial report; that bumps the
 generation, so the watch returns with the switch; after every switch the next heartbeat goes at once (the
-controller learns what serves). Overload (429/503 with ``Retry-After``) is retried with backoff and jitter;
+controller learns what serves). The node's own verdict on each trial (``agents.serve_gate``: memory over
+stable's margin or past the free memory, more launches than stable) is recorded before its report is sent; a
+candidate it refused is never served, whatever the controller names. What the controller does not name is
+unpublished (withdrawn: serving falls back to the PyTorch reference). Overload (429/503 with ``Retry-After``) is retried with backoff and jitter;
 reports stay in the outbox meanwhile. Trials run one at a time in a helper thread that owns the trial child; the duty cycle and
 the memory headroom are checked before a trial starts. SIGTERM (``request_stop``) kills a running trial's
 process group, keeps the outbox and ends the loop; a restarted agent resumes from its cache dir (node token,
@@ -33,6 +36,7 @@ from agents.client import ControllerClient, ControllerError, DownloadError, Toke
 from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
 from agents.metrics import AgentMetrics
 from agents.outbox import Outbox, new_idempotency_key
+from agents.serve_gate import ServeVerdict, annotate, judge_trial
 from agents.trial import TrialAborted, TrialConfig, TrialRunner
 from agents.trial_protocol import TrafficProfile
 from kernelctl.wire import (
@@ -114,6 +118,9 @@ class Agent:
         self._last_heartbeat_ok = -1e18
         self.generation: int | None = None  # of the last desired state applied (the watch sends it back)
         self._report_now = False
+        self.verdicts: dict[str, ServeVerdict] = {}  # candidate digest -> this node's own serve verdict
+        self._refusals_logged: set[str] = set()
+        self._verdict_changed = False
 
     # ------------------------------------------------------------------------------------ control
     def request_stop(self, *_: object) -> None:
@@ -138,6 +145,8 @@ class Agent:
         self._reap_stale_child()
         self.active = {k: BundleRef(**v) for k, v in (self.outbox.get_state("active") or {}).items()}
         self.stable = {k: BundleRef(**v) for k, v in (self.outbox.get_state("stable") or {}).items()}
+        self.verdicts = {k: ServeVerdict.from_state(v)
+                         for k, v in (self.outbox.get_state("serve_verdicts") or {}).items()}
         self.runner = TrialRunner(TrialConfig(
             node=self.node, trusted_keys_dir=cfg.trusted_keys_dir, loader_cache_dir=self.cache.loader_dir,
             work_root=cfg.cache_dir / "trials", timeout_s=cfg.trial_timeout_s, profile=cfg.profile,
@@ -177,6 +186,9 @@ class Agent:
                 if self.stop_event.is_set() or self.client is None:
                     continue
                 with self._lock:
+                    if self._verdict_changed:  # a trial refused what serves (or cleared it): switch now
+                        self._verdict_changed = False
+                        self._report_now = self._apply(self.desired) or self._report_now
                     self._flush()
                     if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
                         self._maybe_trial()
@@ -358,34 +370,35 @@ class Agent:
         self.metrics.outbox_depth.set(self.outbox.depth())
 
     def _apply(self, desired: list[DesiredBundle]) -> bool:
-        """Stage and publish the desired state; True when the published active versions changed."""
+        """Stage and publish the desired state; True when the published active versions changed.
+
+        The controller's desired state is the whole truth for serving: a bundle it does not name (a first
+        version rolled back, a bundle removed), or names with no active version, is unpublished (serving falls
+        back to the PyTorch reference); the stable version kept as a bundle's fallback is the one it names
+        now (a withdrawn stable is no fallback). A candidate whose trial on this node failed a node-local gate
+        (:mod:`agents.serve_gate`) is not served even when named: the stable version serves instead.
+        """
         assert self.cache is not None and self.outbox is not None
-        new_active = dict(self.active)
-        new_stable = dict(self.stable)
-        unserved: set[str] = set()
+        new_active: dict[str, BundleRef] = {}
+        new_stable: dict[str, BundleRef] = {}
         for d in desired:
-            if d.stable is not None:
-                self._ensure(d.stable, None)
-            if d.active is None:
-                unserved.add(d.name)  # a first version before its pre-serve trial passed: serve none
-            elif self._ensure(d.active, d.trial if d.trial and d.trial.candidate == d.active else None):
-                new_active[d.name] = d.active
-            elif d.stable is not None and self.cache.has(d.stable):
-                new_active[d.name] = d.stable  # the desired active is unavailable: serve the stable version
-            if d.stable is not None and self.cache.has(d.stable):
+            if d.stable is not None and self._ensure(d.stable, None):
                 new_stable[d.name] = d.stable
             if d.trial is not None:
                 self._ensure(d.trial.candidate, d.trial)
                 if d.trial.stable is not None:
                     self._ensure(d.trial.stable, None)
-        wanted = {d.name for d in desired} - unserved
-        for name in sorted(set(new_active) - wanted):
-            if name in new_stable and self.cache.has(new_stable[name]) and new_active[name] != new_stable[name]:
-                log.warning("%s is no longer desired: falling back to its stable %s", name, new_stable[name].version)
-                new_active[name] = new_stable[name]
-            elif name not in new_stable:
-                self._withdraw(name)
-                new_active.pop(name)
+            want = self._gated(d)
+            if want is None:
+                continue  # a first version before its pre-serve trial passed, or withdrawn: serve none
+            if self._ensure(want, d.trial if d.trial and d.trial.candidate == want else None):
+                new_active[d.name] = want
+            elif d.name in new_stable:
+                new_active[d.name] = new_stable[d.name]  # the desired active is unavailable: serve the stable
+            elif d.name in self.active:
+                new_active[d.name] = self.active[d.name]  # not downloaded yet and no stable: keep what serves
+        for name in sorted(set(self.active) - set(new_active)):
+            self._withdraw(name)
         before = dict(self.active)
         if new_active != self.active or new_stable != self.stable:
             for name, ref in new_active.items():
@@ -414,14 +427,26 @@ class Agent:
             self.cache.gc(keep)
         return switched
 
+    def _gated(self, d: DesiredBundle) -> BundleRef | None:
+        """The version of ``d`` to serve: the controller's active one, unless it is a candidate this node's own
+        trial refused (a node-local gate failed): then the stable version (None: no stable, serve none)."""
+        if d.active is None or d.role != "candidate" or d.active == d.stable:
+            return d.active
+        verdict = self.verdicts.get(d.active.digest)
+        if verdict is None or verdict.ok:
+            return d.active
+        if d.active.digest not in self._refusals_logged:
+            self._refusals_logged.add(d.active.digest)
+            log.warning("%s (the controller names it active; serving %s instead)", verdict.line(),
+                        f"stable {d.stable.version}" if d.stable is not None else "no version")
+        return d.stable
+
     def _withdraw(self, name: str) -> None:
-        """No version of ``name`` is desired and none is stable (a first rollout rolled back)."""
+        """The controller names no version of ``name`` to serve any more: unpublish it."""
         assert self.cache is not None
-        if self.cache.unpublish(self.cfg.runtime_dir, name):
-            log.warning("%s withdrawn: serving code falls back to the PyTorch reference", name)
-        else:
-            log.error("%s withdrawn but kernelpack.runtime cannot unpublish it: active.json still names %s",
-                      name, self.active[name].version)
+        self.cache.unpublish(self.cfg.runtime_dir, name)
+        log.warning("%s withdrawn (was %s): serving code falls back to the PyTorch reference", name,
+                    self.active[name].version)
 
     # ---------------------------------------------------------------------------------------- trials
     def _next_trial_at(self, spec: TrialSpec) -> float:
@@ -483,6 +508,7 @@ class Agent:
                      spec.stable.version if spec.stable else "-", spec.rollout_id)
             report = self.runner.run(spec, idempotency_key=new_idempotency_key(self.cfg.node_name),
                                      candidate_path=cand, stable_path=stable, on_start=on_start)
+            report = self._judge_locally(spec, report)
             outbox.add(report)
             outbox.set_state("last_trial", {"end": time.time(), "duration": time.time() - started})
             self.metrics.trials.labels(report.outcome).inc()
@@ -503,6 +529,25 @@ class Agent:
             self.metrics.trial_running.set(0)
             self._trial = None
             self._wake.set()  # flush the report now, not at the next heartbeat
+
+    def _judge_locally(self, spec: TrialSpec, report: TrialReport) -> TrialReport:
+        """Record this node's own verdict on serving the candidate (before its report can reach the controller,
+        so a candidate the controller verifies on this report is already judged here); returns the report with
+        the verdict as the first line of its detail."""
+        assert self.outbox is not None
+        verdict = judge_trial(report, spec)
+        verdicts = dict(self.verdicts)
+        before = verdicts.pop(spec.candidate.digest, None)
+        verdicts[spec.candidate.digest] = verdict
+        self.verdicts = dict(list(verdicts.items())[-100:])  # the latest trial's verdict of the last 100
+        self.outbox.set_state("serve_verdicts", {k: v.as_state() for k, v in self.verdicts.items()})
+        if before is None or before.ok != verdict.ok:
+            self._refusals_logged.discard(spec.candidate.digest)
+            self._verdict_changed = True
+        if report.outcome != "ok":  # a hard failure: its outcome and detail say it already
+            return report
+        (log.info if verdict.ok else log.warning)("%s", verdict.line())
+        return annotate(report, verdict)
 
     # --------------------------------------------------------------------------------------- reports
     def _flush(self) -> int:

@@ -357,7 +357,8 @@ def build_desired(rows: list[AssignmentView], *, refs: dict[int, wire.BundleRef]
             trial = wire.TrialSpec(
                 rollout_id=a.rollout_id, stratum=stratum, candidate=desired, stable=stable,  # type: ignore[arg-type]
                 batch_sizes=batches, prefill_tokens=prefill, rounds=plan.trial_rounds,
-                interval_seconds=plan.trial_interval_seconds)
+                interval_seconds=plan.trial_interval_seconds, memory_margin=plan.memory_margin,
+                launch_gate=plan.launch_gate)
         serve = not candidate or plan is None or plan.serve_before_trial or a.phase in ("verified", "serving")
         active = desired if serve else stable
         out.append(wire.DesiredBundle(

@@ -80,7 +80,7 @@ def install_generation_hooks(factory: sessionmaker[Session], on_commit: Callable
         if session.info.get(DIRTY):
             return
         for obj in itertools.chain(session.new, session.dirty, session.deleted):
-            table = getattr(obj, "__tablename__", None)
+            table = obj.__tablename__  # every mapped class is a controller.db.models table
             if table in RELEVANT_TABLES and (obj not in session.dirty or session.is_modified(obj)):
                 mark_desired_changed(session)
                 return

@@ -49,15 +49,15 @@ class _HeaderDeadline:
     transport: asyncio.Transport
     timeout_keep_alive: float
     client: tuple[str, int] | None
+    _header_timer: asyncio.TimerHandle | None = None  # armed while a request line and headers are awaited
 
     def _arm_header_timer(self, seconds: float) -> None:
         self._disarm_header_timer()
         self._header_timer = self.loop.call_later(seconds, self._header_timed_out)
 
     def _disarm_header_timer(self) -> None:
-        timer = getattr(self, "_header_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
 
     @abstractmethod

@@ -10,11 +10,12 @@ before serve.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.errors import Invalid
+from kernelctl.vocab import DEFAULT_MEMORY_MARGIN, LaunchGate
 
 
 class StepSpec(BaseModel):
@@ -69,8 +70,9 @@ class PlanSpec(BaseModel):
         60.0, ge=0, description="A repeated hold is recorded as a verdict at most this often."
     )
     memory_margin: float = Field(
-        0.10, ge=0, le=100, description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
-    launch_gate: Literal["rollback", "warn"] = Field(
+        DEFAULT_MEMORY_MARGIN, ge=0, le=100,
+        description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
+    launch_gate: LaunchGate = Field(
         "rollback", description="More Triton launches per call than stable at any size: roll back, or warn.")
     e2e_margin: float = Field(0.03, gt=0, lt=1, description="Allowed end-to-end decoder-block slowdown.")
     e2e_required: bool = Field(

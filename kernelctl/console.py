@@ -63,8 +63,9 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
 
 def exit_code(exc: BaseException) -> int:
     """The exit code of a failure: an HTTP error's status through :data:`STATUS_EXIT`, else EXIT_ERROR."""
-    status = getattr(exc, "status", None)
-    return STATUS_EXIT.get(status, EXIT_ERROR) if isinstance(status, int) else EXIT_ERROR
+    from kernelctl.opclient import ApiError  # httpx: imported when a command failed, not at every start
+
+    return STATUS_EXIT.get(exc.status, EXIT_ERROR) if isinstance(exc, ApiError) else EXIT_ERROR
 
 
 def _default(value: Any) -> Any:

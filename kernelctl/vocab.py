@@ -58,6 +58,11 @@ DTYPES = ("fp16", "bf16", "fp32")
 DTypeName = Literal["fp16", "bf16", "fp32"]
 # The judge's per-metric decision.
 Decision = Literal["regress", "pass", "hold"]
+# What more Triton launches per call than stable does: roll back (and never serve on the node), or warn only.
+LaunchGate = Literal["rollback", "warn"]
+# Allowed peak-memory growth over stable per (op, size) when a plan does not say (0.10 = 10%): the plan's
+# default, and the node-local gate's when a controller sends no margin with the trial.
+DEFAULT_MEMORY_MARGIN = 0.10
 
 
 # ------------------------------------------------------------------------------------------ strata

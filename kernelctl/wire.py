@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from kernelctl.vocab import DTypeName, Outcome, Phase, Role
+from kernelctl.vocab import DEFAULT_MEMORY_MARGIN, DTypeName, LaunchGate, Outcome, Phase, Role
 
 API_PREFIX = "/v1"
 
@@ -138,6 +138,9 @@ class TrialSpec(Strict):
     prefill_tokens: list[int] = Field(default_factory=list)
     rounds: int = Field(5, ge=1, le=1000)
     interval_seconds: float = Field(30, ge=0)  # minimum time between trials on a node
+    # the plan's resource gates, applied by the node to its own trial before it serves the candidate
+    memory_margin: float = Field(DEFAULT_MEMORY_MARGIN, ge=0, le=100)
+    launch_gate: LaunchGate = "rollback"
 
 
 class DesiredBundle(Strict):

@@ -11,7 +11,8 @@ attention bundle and a norm bundle rolled out independently): :func:`get_op` res
 active bundle that provides it (its active version's manifest, or the stable version's when the active one
 cannot load); an op that two active bundles provide is refused (the PyTorch path serves it, and
 :attr:`Runtime.reason` says why: the controller refuses such a rollout at start). Given a bundle name, get_op
-serves from that bundle only. :func:`get_op` re-reads the file when its
+serves from that bundle only. :func:`unpublish_active` removes a withdrawn bundle the same way (no version
+of it serves: ``get_op`` falls back to the PyTorch reference). :func:`get_op` re-reads the file when its
 inode/mtime/size change and returns the active version's op, falling back to the stable version and then to
 the installed PyTorch path (each fallback logged). Call ``get_op`` per use (it is one ``stat`` when nothing
 changed); loaded versions stay cached by digest so switching back is instant.
@@ -90,16 +91,37 @@ def publish_active(
     stable: ActiveRef | Mapping[str, Any] | None = None,
 ) -> None:
     """Atomically set the active (and stable) version of ``bundle_name`` for this node's serving processes."""
-    runtime_dir = Path(runtime_dir)
-    runtime_dir.mkdir(parents=True, exist_ok=True)
     try:
         entry = ActiveEntry(version=version, path=str(path), digest=digest, stable=_ref(stable))
     except ValidationError as exc:
         raise ValueError(f"invalid active entry for {bundle_name}: {exc.errors()[0]['msg']}") from exc
+
+    def put(doc: dict[str, Any]) -> bool:
+        doc[bundle_name] = entry.model_dump(mode="json")
+        return True
+
+    Path(runtime_dir).mkdir(parents=True, exist_ok=True)
+    _rewrite(Path(runtime_dir), put)
+
+
+def unpublish_active(runtime_dir: Path, bundle_name: str) -> bool:
+    """Atomically remove ``bundle_name`` from the published versions (it was withdrawn: no version of it may
+    serve); serving code then falls back to the PyTorch reference. False when it was not published."""
+
+    def drop(doc: dict[str, Any]) -> bool:
+        return doc.pop(bundle_name, None) is not None
+
+    return Path(runtime_dir).is_dir() and _rewrite(Path(runtime_dir), drop)
+
+
+def _rewrite(runtime_dir: Path, change: Callable[[dict[str, Any]], bool]) -> bool:
+    """Read-modify-write of the active document under its lock file: ``change`` edits the document in place
+    and says whether it changed; a changed document replaces the old one atomically (temp + fsync + rename)."""
     with open(runtime_dir / f"{ACTIVE_FILE}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc = {k: v.model_dump(mode="json") for k, v in read_active(runtime_dir).items()}
-        doc[bundle_name] = entry.model_dump(mode="json")
+        if not change(doc):
+            return False
         fd, tmp = tempfile.mkstemp(dir=runtime_dir, prefix=f".{ACTIVE_FILE}.")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -110,6 +132,7 @@ def publish_active(
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    return True
 
 
 def reference_op(name: str) -> BoundOp:

@@ -127,11 +127,11 @@ def last_served(op: str) -> str | None:
 def _installed_ops() -> dict[str, KernelOp]:
     ops: dict[str, KernelOp] = {}
     for info in pkgutil.iter_modules(kernels_pkg.__path__):
-        if info.name == "spec":
+        if info.name == "spec" or info.name.endswith("_common"):  # the contract and shared helpers: no op
             continue
-        op = getattr(importlib.import_module(f"kernelpack.kernels.{info.name}"), "OP", None)
-        if isinstance(op, KernelOp):
-            ops[op.name] = op
+        op = importlib.import_module(f"kernelpack.kernels.{info.name}").OP  # every other module is one op
+        assert isinstance(op, KernelOp), f"kernelpack.kernels.{info.name}.OP is not a KernelOp"
+        ops[op.name] = op
     return ops
 
 

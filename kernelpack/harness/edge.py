@@ -117,10 +117,9 @@ def edge_cases(op: KernelOp, shape: Shape, dtype: str, device: torch.device) -> 
                 touched = True
         if touched:
             out.append((case, inputs))
-    hook = getattr(op, "edge_inputs", None)
-    if hook is not None:
-        out.extend((f"op:{name}", inp) for name, inp in hook(dict(shape), tdtype, device,
-                                                             make_generator(cpu, base + 999)))
+    if op.edge_inputs is not None:
+        out.extend((f"op:{name}", inp) for name, inp in op.edge_inputs(dict(shape), tdtype, device,
+                                                                       make_generator(cpu, base + 999)))
     return out
 
 

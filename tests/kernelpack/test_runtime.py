@@ -15,7 +15,7 @@ import torch
 import kernelpack.runtime as rt
 from kernelpack.archive import read_archive, write_archive
 from kernelpack.build import BuildResult, build_bundle
-from kernelpack.runtime import ACTIVE_FILE, Runtime, publish_active, read_active
+from kernelpack.runtime import ACTIVE_FILE, Runtime, publish_active, read_active, unpublish_active
 from kernelpack.scaffold import write_source
 from tests.kernelpack.bundle_fixtures import *  # noqa: F403
 from tests.kernelpack.bundle_fixtures import REPO, Keys, write_tiny_src
@@ -47,6 +47,27 @@ def test_publish_and_read(tmp_path: Path, tiny_bundle: BuildResult, tiny_v2: Bui
     with pytest.raises(ValueError, match="invalid active entry"):
         publish_active(tmp_path, "tiny", "0.3.0", tiny_v2.path, "not-a-digest")
     assert (tmp_path / ACTIVE_FILE).read_bytes() == before
+
+
+def test_unpublish_withdraws_one_bundle(tmp_path: Path, keys: Keys, tiny_bundle: BuildResult,
+                                       tiny_v2: BuildResult) -> None:
+    """A withdrawn bundle leaves the document (atomically, the others untouched): a serving runtime sees a new
+    generation and runs the PyTorch reference, with no stable fallback left."""
+    run = Runtime(tmp_path / "run", keys.trusted, tmp_path / "cache", arch="sm_90")
+    publish_active(run.runtime_dir, "tiny", "0.2.0", tiny_v2.path, tiny_v2.digest, stable=ref(tiny_bundle))
+    publish_active(run.runtime_dir, "other", "0.1.0", tiny_bundle.path, tiny_bundle.digest)
+    assert run.get_op("bias_gelu", bundle="tiny").bundle == "tiny@0.2.0"
+    gen = run.generation
+    assert unpublish_active(run.runtime_dir, "tiny") is True
+    assert set(read_active(run.runtime_dir)) == {"other"}
+    assert [p.name for p in run.runtime_dir.iterdir() if p.name.startswith(".")] == []  # no temp files left
+    op = run.get_op("bias_gelu", bundle="tiny")
+    assert op.bundle == "reference" and run.generation == gen + 1 and run.served_key("tiny") == ("", "")
+    assert "no active version of tiny published" in run.reason["tiny"]
+    before = (run.runtime_dir / ACTIVE_FILE).read_bytes()
+    assert unpublish_active(run.runtime_dir, "tiny") is False  # not published: nothing rewritten
+    assert (run.runtime_dir / ACTIVE_FILE).read_bytes() == before
+    assert unpublish_active(tmp_path / "never", "tiny") is False
 
 
 def test_switches_versions_and_falls_back(tmp_path: Path, keys: Keys, tiny_bundle: BuildResult,
