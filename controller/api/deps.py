@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
-from controller.db.engine import session_scope
+from controller.db.engine import reader, session_factory, session_scope
 from controller.db.models import ApiToken, utcnow
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
@@ -66,6 +67,17 @@ class AppState:
     def tx(self) -> Iterator[Session]:
         """One transaction: committed when the block ends, rolled back on any error."""
         with session_scope(self.factory) as session:
+            yield session
+
+    @cached_property
+    def _read_factory(self) -> sessionmaker[Session]:
+        return session_factory(reader(self.engine))
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """One read-only transaction (lists, audit): it never takes SQLite's write lock, so a writer (a
+        rollback) is never queued behind it; on PostgreSQL a statement that writes fails."""
+        with self._read_factory() as session, session.begin():
             yield session
 
     def cached_principal(self, token: str | None) -> Principal | None:
