@@ -40,6 +40,7 @@ from kernelctl import __version__
 from kernelctl.settings import Settings
 
 log = logging.getLogger(__name__)
+MAX_ERRORS = 20  # field errors listed in one 422
 
 class BodyLimitMiddleware:
     """Bounded request bodies: a size limit per route and a deadline for the whole body.
@@ -178,8 +179,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's field list, made JSON-safe: a refused NaN/Infinity is echoed back as a string
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+        # FastAPI's field list without the inputs: a refusal names the field and the rule, it never echoes
+        # what was sent (a 4 MiB batch would come back whole); made JSON-safe (a NaN bound in ctx)
+        errors = [{k: v for k, v in e.items() if k != "input"} for e in exc.errors()[:MAX_ERRORS]]
+        if len(exc.errors()) > MAX_ERRORS:
+            errors.append({"type": "too_many_errors", "loc": ["body"],
+                           "msg": f"and {len(exc.errors()) - MAX_ERRORS} more errors (only the first {MAX_ERRORS} shown)"})
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(errors))}, status_code=422)
 
     @app.exception_handler(AuthError)
     async def _auth(_r: Request, exc: AuthError) -> JSONResponse:
