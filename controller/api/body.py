@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 M = TypeVar("M", bound=BaseModel)
 
 
-def _is_json(content_type: str | None) -> bool:
+def is_json(content_type: str | None) -> bool:
     """FastAPI's test (strict content type): ``application/json`` or ``application/*+json``."""
     if not content_type:
         return False
@@ -47,7 +47,7 @@ async def json_body(request: Request, model: type[M], *, max_items: tuple[str, i
     parsed in a worker thread. ``max_items``: (field, n): more than n items in that top-level list field are
     refused (422 naming it) before any item is validated."""
     body = await request.body()
-    return await run_in_threadpool(parse_body, body, _is_json(request.headers.get("content-type")), model,
+    return await run_in_threadpool(parse_body, body, is_json(request.headers.get("content-type")), model,
                                    max_items)
 
 

@@ -24,7 +24,7 @@ from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
-AUTH_CACHE_SECONDS = 60.0  # default of settings.auth_cache_seconds
+AUTH_CACHE_SECONDS: float = Settings.model_fields["auth_cache_seconds"].default
 AUTH_CACHE_MAX = 50_000  # cached principals (the cache is emptied when it grows past this)
 AUTH_SWEEP_SECONDS = 5.0  # how often the cache drops tokens revoked or expired elsewhere
 SWEEP_LOOKBACK_SECONDS = 60.0  # a revocation whose transaction committed this much after its timestamp is seen
