@@ -35,8 +35,8 @@ VERSION_PATTERN = r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
 
 ErrorValue = Annotated[float, AfterValidator(finite), Field(ge=0, le=1e30)]
 MemoryBytes = Annotated[int, Field(ge=0, le=2**50)]
-NodeName = Annotated[str, Field(pattern=NAME_PATTERN)]
-BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN)]
+NodeName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]  # max_length: the column's (a pattern alone is not checked against it)
+BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN, max_length=128)]
 Version = Annotated[str, Field(pattern=VERSION_PATTERN, max_length=64)]
 # A database id: a signed 64-bit integer (BIGINT); anything larger is refused at the wire, not by the driver.
 RolloutId = Annotated[int, Field(ge=1, le=2**63 - 1)]
@@ -85,8 +85,8 @@ class Inventory(Strict):
     """
 
     gpu_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
-    compute_capability: str = Field(pattern=r"^([0-9]{1,2}\.[0-9]{1,2}|cpu)$")
-    arch: str = Field(pattern=r"^(sm_[0-9]{2,3}a?|cpu)$")
+    compute_capability: str = Field(max_length=8, pattern=r"^([0-9]{1,2}\.[0-9]{1,2}|cpu)$")
+    arch: str = Field(max_length=16, pattern=r"^(sm_[0-9]{2,3}a?|cpu)$")
     driver_version: str = Field(max_length=32, pattern=DRIVER_PATTERN)
     cuda_version: str = Field(max_length=16, pattern=CUDA_PATTERN)
     triton_version: str = Field(max_length=32, pattern=PY_VERSION_PATTERN)
@@ -109,7 +109,7 @@ class RegisterResponse(Strict):
 class BundleRef(Strict):
     name: BundleName
     version: Version
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    digest: str = Field(max_length=64, pattern=r"^[0-9a-f]{64}$")
 
 
 class HeartbeatRequest(Strict):
