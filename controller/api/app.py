@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
-from controller.api.deps import AUTH_SWEEP_SECONDS, AppState, parse_bearer
+from controller.api.deps import AUTH_SWEEP_SECONDS, AppState, parse_bearer, scope_header
 from controller.api.heartbeat_lane import HeartbeatLane
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
@@ -129,9 +129,8 @@ class TokenBeforeBody:
         state = self.get_state() if scope["type"] == "http" and scope["method"] == "POST" \
             and scope["path"].startswith(wire.API_PREFIX + "/") else None
         if state is not None:
-            header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             try:
-                token = parse_bearer(header)
+                token = parse_bearer(scope_header(scope, b"authorization"))
                 if state.cached_principal(token) is None:
                     await run_in_threadpool(state.authenticate, token)
             except AuthError as exc:

@@ -176,6 +176,11 @@ def bearer_token(request: Request) -> str | None:
     return parse_bearer(request.headers.get("authorization"))
 
 
+def scope_header(scope: dict, name: bytes) -> str | None:
+    """A request header straight from the ASGI scope (for the middlewares that run before a Request exists)."""
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
+
+
 def parse_bearer(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header (None when absent; AuthError when malformed)."""
     if not header:

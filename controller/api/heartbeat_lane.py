@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.api.body import is_json
-from controller.api.deps import AppState, parse_bearer
+from controller.api.deps import AppState, parse_bearer, scope_header
 from controller.auth import AuthError
 from controller.errors import Overloaded
 from controller.http_limits import header_block_bytes
@@ -122,16 +122,12 @@ async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": payload})
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
-
-
 def _route_would_take(state: AppState, scope: Scope) -> bool:
     """Before the body is read: headers the route's checks pass (size, JSON content type, a cached token)."""
-    if header_block_bytes(scope) > state.settings.max_header_bytes or not is_json(_header(scope, b"content-type")):
+    if header_block_bytes(scope) > state.settings.max_header_bytes or not is_json(scope_header(scope, b"content-type")):
         return False
     try:
-        return state.cached_principal(parse_bearer(_header(scope, b"authorization"))) is not None
+        return state.cached_principal(parse_bearer(scope_header(scope, b"authorization"))) is not None
     except AuthError:
         return False
 
@@ -139,7 +135,7 @@ def _route_would_take(state: AppState, scope: Scope) -> bool:
 def _common_case(state: AppState, scope: Scope, body: bytes) -> wire.HeartbeatRequest | None:
     """The request when it is the lane's case (cached token of this very node, valid body), else None."""
     try:
-        principal = state.cached_principal(parse_bearer(_header(scope, b"authorization")))
+        principal = state.cached_principal(parse_bearer(scope_header(scope, b"authorization")))
         req = wire.HeartbeatRequest.model_validate_json(body) if principal is not None else None
     except (AuthError, ValidationError, ValueError):
         return None

@@ -115,7 +115,7 @@ def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped
 
 @router.get("/{name}/{version}", response_model=BundleOut)
 def show(name: BundleNamePath, version: VersionPath, _p: Viewer, state: State) -> BundleOut:
-    with state.tx() as session:
+    with state.read() as session:
         return bundle_out(_get(session, name, version), manifest=True)
 
 
@@ -126,7 +126,7 @@ def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrinci
     require_role(principal, "agent", "viewer")
     if principal.is_enrollment:
         raise Forbidden("an enrollment token may only register; use the node token returned by register")
-    with state.tx() as session:
+    with state.read() as session:
         b = _get(session, name, version)
         data, digest = b.content, b.digest
     return Response(

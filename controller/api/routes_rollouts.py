@@ -176,7 +176,7 @@ def list_rollouts(_p: Viewer, state: State, request: Request, response: Response
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
 def show(rollout_id: RolloutId, _p: Viewer, state: State) -> RolloutDetail:
-    with state.tx() as session:
+    with state.read() as session:
         return rollout_detail(session, rollout_id)
 
 
@@ -185,7 +185,7 @@ def explain(rollout_id: RolloutId, _p: Viewer, state: State,
             stratum: Annotated[str | None, Query(max_length=96, description="Only this stratum.")] = None,
             ) -> RolloutExplain:
     """Every judged metric per stratum (value, bounds, margin, n, decision, which decided) and its history."""
-    with state.tx() as session:
+    with state.read() as session:
         return explain_rollout(session, rollout_id, stratum)
 
 
