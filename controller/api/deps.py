@@ -100,7 +100,7 @@ class AppState:
         ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
         started = time.monotonic()
         now = utcnow()
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             lapsed = lapsed_tokens(session, now - dt.timedelta(seconds=ttl + SWEEP_LOOKBACK_SECONDS), now)
         dropped = 0
         with self._auth_lock:
@@ -119,7 +119,7 @@ class AppState:
         hit = self.cached_principal(token)
         if hit is not None:
             return hit
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             principal = authenticate(session, token)
         self.remember(token, principal)  # type: ignore[arg-type]
         return principal
@@ -128,7 +128,7 @@ class AppState:
         """Cache every live token's principal (one query; at start, so a restarted replica does not look up
         each of the fleet's tokens as its agents reconnect at once). Returns the tokens cached."""
         now = utcnow()
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             rows = session.execute(select(ApiToken.id, ApiToken.name, ApiToken.role, ApiToken.node_name,
                                           ApiToken.token_hash)
                                    .where(ApiToken.revoked_at.is_(None),

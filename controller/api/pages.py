@@ -7,8 +7,18 @@ from typing import Any
 
 from fastapi import Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy import Select
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from controller.paging import MAX_CURSOR, PAGE_MAX, PageError, check_limit
+from controller.paging import (
+    MAX_CURSOR,
+    PAGE_MAX,
+    PageError,
+    after,
+    check_limit,
+    decode_cursor,
+    encode_cursor,
+)
 
 LIMIT_HELP = f"Rows per page, 1-{PAGE_MAX}; the next page's address is in the Link rel=\"next\" header."
 
@@ -45,3 +55,23 @@ def link_next(request: Request, response: Response, cursor: str | None) -> None:
     if cursor is not None:
         nxt = request.url.include_query_params(cursor=cursor)
         response.headers["Link"] = f'<{nxt.path}?{nxt.query}>; rel="next"'
+
+
+def keyset_page(session: Session, stmt: Select, kind: str, columns: tuple[InstrumentedAttribute, ...], *,
+                cursor: str | None, limit: int, request: Request, response: Response,
+                descending: bool = False) -> list[Any]:
+    """One page of ``stmt`` (a select of one entity) in the order of ``columns`` (a unique key): at most
+    ``limit`` rows after ``cursor``, and the Link to the next page when there is one."""
+    page_limit(limit)
+    if cursor is not None:
+        try:
+            key = decode_cursor(kind, cursor, *(c.type.python_type for c in columns))
+        except PageError as exc:
+            raise cursor_error(exc) from None
+        stmt = stmt.where(after(columns, key, descending=descending))
+    stmt = stmt.order_by(*(c.desc() if descending else c for c in columns)).limit(limit + 1)
+    rows = list(session.scalars(stmt))
+    if len(rows) > limit:
+        rows = rows[:limit]
+        link_next(request, response, encode_cursor(kind, *(getattr(rows[-1], c.key) for c in columns)))
+    return rows

@@ -13,12 +13,12 @@ from starlette.exceptions import HTTPException
 
 from controller import registry
 from controller.api.deps import CurrentPrincipal, Operator, State, Viewer
-from controller.api.pages import Cursor, Limit, cursor_error, link_next, page_limit
+from controller.api.pages import Cursor, Limit, keyset_page
 from controller.api.schemas import BundleOut
 from controller.auth import Forbidden, require_role
 from controller.db.models import Bundle
 from controller.errors import Conflict, NotFound
-from controller.paging import PAGE_MAX, PageError, after, decode_cursor, encode_cursor
+from controller.paging import PAGE_MAX
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX + "/bundles", tags=["bundles"])
@@ -89,21 +89,12 @@ def list_bundles(_p: Viewer, state: State, request: Request, response: Response,
                  name: str | None = Query(None, max_length=128, pattern=r"^[ -~]*$"),
                  limit: int = Limit(PAGE_MAX), cursor: str | None = Cursor()) -> list[BundleOut]:
     """Registered bundle versions (optionally of one name) by name, oldest first, a page at a time."""
-    page_limit(limit)
-    stmt = select(Bundle).options(selectinload(Bundle.targets)).order_by(Bundle.name, Bundle.id).limit(limit + 1)
+    stmt = select(Bundle).options(selectinload(Bundle.targets))
     if name:
         stmt = stmt.where(Bundle.name == name)
-    if cursor is not None:
-        try:
-            stmt = stmt.where(after((Bundle.name, Bundle.id), decode_cursor("bundles", cursor, str, int)))
-        except PageError as exc:
-            raise cursor_error(exc) from None
     with state.read() as session:
-        page = list(session.scalars(stmt))
-        more = len(page) > limit
-        page = page[:limit]
-        link_next(request, response, encode_cursor("bundles", page[-1].name, page[-1].id) if more else None)
-        return [bundle_out(b) for b in page]
+        return [bundle_out(b) for b in keyset_page(session, stmt, "bundles", (Bundle.name, Bundle.id), cursor=cursor,
+                                                   limit=limit, request=request, response=response)]
 
 
 def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped-def]

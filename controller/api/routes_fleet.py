@@ -12,13 +12,13 @@ from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import select
 
 from controller.api.deps import State, Viewer
-from controller.api.pages import Cursor, Limit, cursor_error, link_next, page_limit, query_error
+from controller.api.pages import Cursor, Limit, cursor_error, keyset_page, link_next, page_limit, query_error
 from controller.api.schemas import NodeOut
 from controller.audit import AuditFilters, AuditQueryError, event_to_dict, events_page, parse_time
 from controller.compat import compat_page, node_stratum
 from controller.db.models import Assignment, Bundle, Node
 from controller.errors import Invalid
-from controller.paging import PAGE_MAX, PageError, after, decode_cursor, encode_cursor
+from controller.paging import PAGE_MAX, PageError, decode_cursor, encode_cursor
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX, tags=["fleet"])
@@ -43,19 +43,12 @@ def nodes(_p: Viewer, state: State, request: Request, response: Response,
           limit: int = Limit(PAGE_MAX), cursor: str | None = Cursor()) -> list[NodeOut]:
     """Nodes by name, a page at a time: stratum, liveness, and active/desired versions and canary phase per
     bundle."""
-    page_limit(limit)
-    stmt = select(Node).order_by(Node.name).limit(limit + 1)
+    stmt = select(Node)
     if state_filter:
         stmt = stmt.where(Node.state == state_filter)
-    if cursor is not None:
-        try:
-            stmt = stmt.where(after((Node.name,), decode_cursor("nodes", cursor, str)))
-        except PageError as exc:
-            raise cursor_error(exc) from None
     with state.read() as session:
-        page = list(session.scalars(stmt))
-        more = len(page) > limit
-        page = page[:limit]
+        page = keyset_page(session, stmt, "nodes", (Node.name,), cursor=cursor, limit=limit, request=request,
+                           response=response)
         refs = {b_id: version for b_id, version in session.execute(select(Bundle.id, Bundle.version))}
         active: dict[int, dict[str, str]] = defaultdict(dict)
         desired: dict[int, dict[str, str]] = defaultdict(dict)
@@ -71,7 +64,6 @@ def nodes(_p: Viewer, state: State, request: Request, response: Response,
                 desired[node_id][name] = refs[d]
             if phase:
                 phases[node_id][name] = phase
-        link_next(request, response, encode_cursor("nodes", page[-1].name) if more else None)
         return [
             NodeOut(name=n.name, state=n.state, stratum=node_stratum(n), gpu_name=n.gpu_name, arch=n.arch,
                     driver_version=n.driver_version, triton_version=n.triton_version,

@@ -14,7 +14,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 from controller import rollouts
 from controller.api.deps import Operator, State, Viewer
-from controller.api.pages import Cursor, Limit, cursor_error, link_next, page_limit
+from controller.api.pages import Cursor, Limit, keyset_page
 from controller.api.schemas import (
     PromoteRequest,
     ReasonRequest,
@@ -31,7 +31,6 @@ from controller.db.models import Assignment, Bundle, Node, Rollout, Verdict
 from controller.errors import ConcurrentWrite, Conflict, NotFound
 from controller.explain import RolloutExplain
 from controller.explain import explain as explain_rollout
-from controller.paging import PageError, after, decode_cursor, encode_cursor
 from kernelctl import wire
 from kernelctl.vocab import CANARY_PHASES, TERMINAL_STATES, stratum_key
 
@@ -157,21 +156,13 @@ def list_rollouts(_p: Viewer, state: State, request: Request, response: Response
                   state_filter: str | None = Query(None, max_length=32, pattern=r"^[a-z_]+$"),
                   limit: int = Limit(100), cursor: str | None = Cursor()) -> list[RolloutOut]:
     """Rollouts, newest first, a page at a time."""
-    page_limit(limit)
-    stmt = select(Rollout).options(selectinload(Rollout.bundle)).order_by(Rollout.id.desc()).limit(limit + 1)
+    stmt = select(Rollout).options(selectinload(Rollout.bundle))
     if state_filter:
         stmt = stmt.where(Rollout.state == state_filter)
-    if cursor is not None:
-        try:
-            stmt = stmt.where(after((Rollout.id,), decode_cursor("rollouts", cursor, int), descending=True))
-        except PageError as exc:
-            raise cursor_error(exc) from None
     with state.read() as session:
-        page = list(session.scalars(stmt))
-        more = len(page) > limit
-        page = page[:limit]
-        link_next(request, response, encode_cursor("rollouts", page[-1].id) if more else None)
-        return [rollout_out(r) for r in page]
+        return [rollout_out(r) for r in keyset_page(session, stmt, "rollouts", (Rollout.id,), cursor=cursor,
+                                                    limit=limit, request=request, response=response,
+                                                    descending=True)]
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)

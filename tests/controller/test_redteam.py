@@ -749,10 +749,12 @@ def test_reads_never_hold_back_a_rollback(ctl: ControllerProcess, bundles: TestB
         # a writer holds SQLite's write lock: every read still answers (reads never take it)
         import sqlite3
 
+        made = kctl("token", "create", "--role", "viewer", "--name", "fresh-viewer", "--db", ctl.db_url)
+        assert made.returncode == 0, made.stderr  # a token no replica has cached: its lookup is a read too
         lock = sqlite3.connect(ctl.db_url.removeprefix("sqlite:///"), timeout=0, isolation_level=None)
         lock.execute("BEGIN IMMEDIATE")
         try:
-            with ctl.client("viewer", timeout=20) as v:
+            with ctl.client(token=made.stdout.strip(), timeout=20) as v:
                 for path in ("/v1/audit", "/v1/nodes", "/v1/rollouts", "/v1/bundles", "/v1/compat"):
                     assert v.get(path).status_code == 200, path
         finally:
