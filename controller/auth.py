@@ -119,8 +119,9 @@ def issue_node_token(session: Session, node: str, *, actor: str, name: str | Non
     """A fresh token for ``node``; every earlier unrevoked token of that node is revoked in the same transaction.
 
     ``minted_by``: the id of the token that asked for it (a registration): the new token expires no later
-    than that one (:func:`minted_expiry`). Returns the plaintext. Callers that authenticate through a cache must also drop the node's cached
-    principals (the API does; other replicas see the revocation within the auth cache time).
+    than that one (:func:`minted_expiry`). Returns the plaintext. Callers that authenticate through a cache
+    must also drop the node's cached principals (the API does; other replicas see the revocation within the
+    auth cache time).
     """
     if minted_by is not None:
         expires_at = minted_expiry(session, [minted_by], expires_at)[minted_by]

@@ -35,7 +35,8 @@ VERSION_PATTERN = r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
 
 ErrorValue = Annotated[float, AfterValidator(finite), Field(ge=0, le=1e30)]
 MemoryBytes = Annotated[int, Field(ge=0, le=2**50)]
-NodeName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]  # max_length: the column's (a pattern alone is not checked against it)
+# max_length: the column's (tests/controller/test_redteam.py checks every stored field against its column)
+NodeName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]
 BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN, max_length=128)]
 Version = Annotated[str, Field(pattern=VERSION_PATTERN, max_length=64)]
 # A database id: a signed 64-bit integer (BIGINT); anything larger is refused at the wire, not by the driver.

@@ -212,8 +212,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # what was sent (a 4 MiB batch would come back whole); made JSON-safe (a NaN bound in ctx)
         errors = [{k: v for k, v in e.items() if k != "input"} for e in exc.errors()[:MAX_ERRORS]]
         if len(exc.errors()) > MAX_ERRORS:
+            more = len(exc.errors()) - MAX_ERRORS
             errors.append({"type": "too_many_errors", "loc": ["body"],
-                           "msg": f"and {len(exc.errors()) - MAX_ERRORS} more errors (only the first {MAX_ERRORS} shown)"})
+                           "msg": f"and {more} more errors (only the first {MAX_ERRORS} shown)"})
         return JSONResponse({"detail": _json_safe(jsonable_encoder(errors))}, status_code=422)
 
     @app.exception_handler(AuthError)
