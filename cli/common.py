@@ -73,14 +73,21 @@ class Remote(OperatorClient):
         except OperatorError as exc:
             fail_operator(exc)
 
+    def get_all(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            return super().get_all(path, params)
+        except OperatorError as exc:
+            fail_operator(exc)
+
 
 def remote(ctx: typer.Context, url: str | None, token: str | None) -> Remote:
     return Remote.from_ctx(ctx, url, token)
 
 
 def fetch(ctx: typer.Context, url: str | None, token: str | None, json_out: bool, path: str, **params: Any) -> Any:
-    """GET ``path`` (empty filters left out); with ``--json`` print the answer and exit 0, else return it."""
-    data = remote(ctx, url, token).request("GET", path, params={k: v for k, v in params.items() if v} or None)
+    """GET ``path`` (empty filters left out; a list: every page, following its cursors); with ``--json`` print
+    the answer and exit 0, else return it."""
+    data = remote(ctx, url, token).get_all(path, params={k: v for k, v in params.items() if v} or None)
     if json_out:
         print_json(data)
         raise typer.Exit(0)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from cli.common import DbOption, JsonOption, database_errors, resolve_db
 from kernelctl.console import EXIT_NOT_FOUND, EXIT_USAGE, console, fail, print_json, safe
+from kernelctl.settings import Settings
 
 token_app = typer.Typer(help="API tokens (direct database access): create, list, revoke.", no_args_is_help=True)
 
@@ -86,15 +87,19 @@ def token_list(
     console.print(table)
 
 
-@token_app.command("revoke")
+AUTH_CACHE_DEFAULT = Settings.model_fields["auth_cache_seconds"].default
+
+
+@token_app.command("revoke", help=(
+    "Revoke a token (or all of a node's). Effective at once on a controller's next lookup; a controller that "
+    "has the token cached drops it at its next cache sweep (every few seconds, while it reaches the "
+    f"database), and in any case within KERNELCTL_AUTH_CACHE_SECONDS (default {AUTH_CACHE_DEFAULT:g} s)."))
 def token_revoke(
     token_id: Annotated[int | None, typer.Argument(help="Token id (see `kernelctl token list`).")] = None,
     node: Annotated[str | None, typer.Option(help="Revoke every token of this node instead.")] = None,
     reason: Annotated[str | None, typer.Option(help="Why (recorded in the changelog).")] = None,
     db: DbOption = None,
 ) -> None:
-    """Revoke a token (or all of a node's). Effective at once on a controller's next lookup, and within
-    KERNELCTL_AUTH_CACHE_SECONDS (default 5 s) where the controller has it cached."""
     from controller.auth import revoke_node_tokens, revoke_token
     from controller.db.engine import session_scope
 

@@ -1,7 +1,10 @@
 """Audit queries over the changelog: events by bundle/node/actor/action/time, and what ran on a node at T.
 
 Used by ``kernelctl audit`` (direct, read-only database access) and by ``GET /v1/audit``. Every query is
-served by an index on ``events`` or ``activations`` (see controller.db.models). "What ran" is what served:
+served by an index on ``events`` or ``activations`` (see controller.db.models). Events come a page at a time
+(:func:`events_page`, at most ``controller.paging.PAGE_MAX``, newest first, with a cursor: a page is one
+index range however deep it lies and however many events arrive meanwhile); :func:`query_events` follows the
+cursors for direct readers. "What ran" is what served:
 an activation opens when the node reports a version published to its serving processes (a candidate that
 was only staged for its pre-serve trial never appears); a served candidate names its rollout and when the
 controller accepted the node's pre-serve trial (``verified_at``; empty: the plan served it before its trial).
@@ -11,16 +14,18 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Activation, Bundle, Event, Node
+from controller.paging import PAGE_MAX, PageError, after, check_limit, decode_cursor, encode_cursor
 from kernelctl.vocab import shown_steps
 
-AUDIT_MAX_LIMIT = 100_000
+AUDIT_MAX_LIMIT = 100_000  # events one direct query (kernelctl audit --limit) may follow pages for
+CURSOR_KIND = "audit"
 
 
 class AuditQueryError(ValueError):
@@ -88,9 +93,30 @@ def _as_utc(value: dt.datetime | None) -> dt.datetime | None:
 
 
 def query_events(session: Session, filters: AuditFilters) -> list[Event]:
-    """Events matching every given filter, newest first, at most ``filters.limit``."""
+    """Events matching every given filter, newest first, at most ``filters.limit`` (up to
+    ``AUDIT_MAX_LIMIT``), read page by page."""
     if not 1 <= filters.limit <= AUDIT_MAX_LIMIT:
         raise AuditQueryError(f"limit must be between 1 and {AUDIT_MAX_LIMIT}, got {filters.limit}")
+    out: list[Event] = []
+    cursor: str | None = None
+    while len(out) < filters.limit:
+        page, cursor = events_page(session, replace(filters, limit=min(PAGE_MAX, filters.limit - len(out))),
+                                   cursor)
+        out.extend(page)
+        if cursor is None:
+            break
+    return out
+
+
+def events_page(session: Session, filters: AuditFilters, cursor: str | None = None
+                ) -> tuple[list[Event], str | None]:
+    """One page: at most ``filters.limit`` (1..PAGE_MAX) events matching every filter after ``cursor`` (from
+    the previous page), newest first, and the cursor of the next page (None: this is the last)."""
+    try:
+        check_limit(filters.limit)
+        key = decode_cursor(CURSOR_KIND, cursor, dt.datetime, int) if cursor is not None else None
+    except PageError as exc:
+        raise AuditQueryError(str(exc)) from None
     stmt = select(Event)
     if filters.bundle:
         if "@" in filters.bundle:
@@ -113,8 +139,14 @@ def query_events(session: Session, filters: AuditFilters) -> list[Event]:
         stmt = stmt.where(Event.at >= _as_utc(filters.since))
     if filters.until:
         stmt = stmt.where(Event.at <= _as_utc(filters.until))
-    stmt = stmt.order_by(Event.at.desc(), Event.id.desc()).limit(filters.limit)
-    return list(session.scalars(stmt))
+    if key is not None:
+        stmt = stmt.where(after((Event.at, Event.id), key, descending=True))
+    stmt = stmt.order_by(Event.at.desc(), Event.id.desc()).limit(filters.limit + 1)
+    rows = list(session.scalars(stmt))
+    if len(rows) <= filters.limit:
+        return rows, None
+    last = rows[filters.limit - 1]
+    return rows[:filters.limit], encode_cursor(CURSOR_KIND, _as_utc(last.at), last.id)
 
 
 def _require_node(session: Session, name: str) -> Node:

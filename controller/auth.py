@@ -4,7 +4,9 @@ Roles: ``agent`` (an enrollment token with no node may only register *new* nodes
 its node), ``operator`` (push, start, promote, rollback, pause, resume; also reads), ``viewer`` (read, audit).
 The plaintext of a token is never stored and never logged. Lifecycle: a token may carry an expiry
 (``expires_at``); issuing a node token (:func:`issue_node_token`) revokes every earlier token of that node;
-:func:`revoke_token` / :func:`list_tokens` back ``kernelctl token revoke | list``.
+a node token never outlives the token that minted it (:func:`minted_expiry`: registering with an enrollment
+token that expires in 10 minutes gives a node token that expires then too, and so does every re-registration
+with that node token); :func:`revoke_token` / :func:`list_tokens` back ``kernelctl token revoke | list``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from controller.changelog import record_event
@@ -113,12 +115,16 @@ def create_token(session: Session, role: str, name: str, node: str | None = None
 
 
 def issue_node_token(session: Session, node: str, *, actor: str, name: str | None = None,
-                     expires_at: dt.datetime | None = None) -> str:
+                     expires_at: dt.datetime | None = None, minted_by: int | None = None) -> str:
     """A fresh token for ``node``; every earlier unrevoked token of that node is revoked in the same transaction.
 
-    Returns the plaintext. Callers that authenticate through a cache must also drop the node's cached
-    principals (the API does; other replicas see the revocation within the auth cache time).
+    ``minted_by``: the id of the token that asked for it (a registration): the new token expires no later
+    than that one (:func:`minted_expiry`). Returns the plaintext. Callers that authenticate through a cache
+    must also drop the node's cached principals (the API does; other replicas see the revocation within the
+    auth cache time).
     """
+    if minted_by is not None:
+        expires_at = minted_expiry(session, [minted_by], expires_at)[minted_by]
     revoked = revoke_node_tokens(session, node, actor=actor, reason="superseded by a new node token")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at)
@@ -126,6 +132,19 @@ def issue_node_token(session: Session, node: str, *, actor: str, name: str | Non
         record_event(session, actor=actor, action="token.node_reissued", subject=f"token:{row.id}", node=node,
                      payload={"revoked": revoked})
     return token
+
+
+def minted_expiry(session: Session | Connection, minted_by: list[int], expires_at: dt.datetime | None = None
+                  ) -> dict[int, dt.datetime | None]:
+    """When a token minted by each of the tokens ``minted_by`` (ids) expires: the earlier of ``expires_at``
+    and the minting token's own expiry (read from the database, not from a cached principal), so no token
+    outlives what minted it. One query for the whole list."""
+    own = dict(session.execute(select(ApiToken.id, ApiToken.expires_at).where(ApiToken.id.in_(set(minted_by)))).all())
+    out: dict[int, dt.datetime | None] = {}
+    for tid in minted_by:
+        limits = [_as_utc(t) for t in (own.get(tid), expires_at) if t is not None]
+        out[tid] = min(limits) if limits else None
+    return out
 
 
 def revoke_node_tokens(session: Session, node: str, *, actor: str, reason: str) -> list[int]:

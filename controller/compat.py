@@ -34,6 +34,7 @@ from controller.db.models import (
     StableVersion,
 )
 from controller.errors import NotFound
+from controller.paging import after
 from kernelctl.vocab import (
     ACTIVE_STATES,
     CANARY_PHASES,
@@ -202,8 +203,26 @@ class CompatRow:
         return asdict(self)
 
 
-def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[CompatRow]:
-    """The state of every registered bundle version (optionally of one name) in every stratum with nodes."""
+def compat_page(session: Session, *, bundle_name: str | None, after_key: tuple[str, int] | None, limit: int
+                ) -> tuple[list[CompatRow], tuple[str, int] | None]:
+    """One page of the matrix: the rows of at most ``limit`` bundle versions after ``after_key`` (name, id), and
+    the key of its last version when more follow (``controller.paging``)."""
+    stmt = select(Bundle.name, Bundle.id).order_by(Bundle.name, Bundle.id).limit(limit + 1)
+    if bundle_name is not None:
+        stmt = stmt.where(Bundle.name == bundle_name)
+    if after_key is not None:
+        stmt = stmt.where(after((Bundle.name, Bundle.id), after_key))
+    keys = [(name, bid) for name, bid in session.execute(stmt)]
+    if not keys:
+        return [], None
+    rows = compat_matrix(session, bundle_name=bundle_name, bundle_ids=[bid for _n, bid in keys[:limit]])
+    return rows, keys[limit - 1] if len(keys) > limit else None
+
+
+def compat_matrix(session: Session, *, bundle_name: str | None = None, bundle_ids: list[int] | None = None
+                  ) -> list[CompatRow]:
+    """The state of every registered bundle version (optionally of one name, or these ids) in every stratum
+    with nodes."""
     fleet = load_fleet(session)
     strata: dict[str, list[NodeInfo]] = defaultdict(list)
     for n in fleet:
@@ -211,9 +230,11 @@ def compat_matrix(session: Session, *, bundle_name: str | None = None) -> list[C
     stmt = select(Bundle).order_by(Bundle.name, Bundle.created_at, Bundle.id)
     if bundle_name is not None:
         stmt = stmt.where(Bundle.name == bundle_name)
+    if bundle_ids is not None:
+        stmt = stmt.where(Bundle.id.in_(bundle_ids))
     bundles = list(session.scalars(stmt))
     if not bundles:
-        if bundle_name is not None:
+        if bundle_name is not None and bundle_ids is None:
             raise NotFound(f"no bundle named {bundle_name!r} is registered (kernelctl bundle list)")
         return []
     ids = [b.id for b in bundles]

@@ -20,7 +20,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from controller.auth import TOKEN_PREFIX, Principal, hash_token, issue_node_token
+from controller.auth import TOKEN_PREFIX, Principal, hash_token, issue_node_token, minted_expiry
 from controller.changelog import event_row
 from controller.db.models import ApiToken, Event, Node, utcnow
 from controller.errors import Conflict
@@ -83,7 +83,8 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
             with session.begin_nested():
                 node = register_node(session, it.req.node_name, it.req.inventory, actor=it.principal.actor,
                                      now=now)
-                token = issue_node_token(session, it.req.node_name, actor=it.principal.actor)
+                token = issue_node_token(session, it.req.node_name, actor=it.principal.actor,
+                                         minted_by=it.principal.token_id)
                 out[i] = Registered(node.id, token, new=False)
         except Exception as exc:  # this request only: its savepoint is rolled back, the batch goes on
             out[i] = exc
@@ -104,14 +105,16 @@ def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], i
                                 subject=f"token:{tid}", node=node, payload={"name": tname, "role": role},
                                 reason="superseded by a new node token"))
     plain = {name: TOKEN_PREFIX + secrets.token_urlsafe(32) for name in created}
-    token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name,
+    expiry = minted_expiry(conn, [items[i].principal.token_id for i in created.values()])  # never outlives its minter
+    expires = {name: expiry[items[i].principal.token_id] for name, i in created.items()}
+    token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name, "expires_at": expires[name],
                    "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
     for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
                                                              sort_by_parameter_order=True), token_rows):
         actor = items[created[node]].principal.actor
         events.append(event_row(at=now, actor=actor, action="token.created", subject=f"token:{tid}", node=node,
                                 payload={"name": f"node:{node}"[:128], "role": "agent", "node": node,
-                                         "expires_at": None}))
+                                         "expires_at": expires[node].isoformat() if expires[node] else None}))
         if revoked.get(node):
             events.append(event_row(at=now, actor=actor, action="token.node_reissued", subject=f"token:{tid}",
                                     node=node, payload={"revoked": sorted(revoked[node])}))

@@ -177,3 +177,10 @@ def protocol_class(header_timeout: float, *, impl: HttpImpl = "auto", max_header
         return type("HeaderTimeoutHttpToolsProtocol", (HeaderTimeoutHttpToolsProtocol,),
                     {"header_timeout": float(header_timeout), "max_header_bytes": int(max_header_bytes)})
     return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": float(header_timeout)})
+
+
+def header_block_bytes(scope: dict) -> int:
+    """The size of an ASGI request's request line and headers (what ``max_header_bytes`` bounds): one count
+    for the app's 431 and the heartbeat lane, which must refuse the same requests."""
+    return len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+        len(k) + len(v) + 4 for k, v in scope.get("headers", []))

@@ -87,14 +87,27 @@ def _upgrade_embedded_database(url: str) -> None:
                  changed[0] or "empty", changed[1])
 
 
-def _raise_fd_limit() -> None:
-    """Every agent holds a connection open: take the file-descriptor hard limit (the soft one is often 1024)."""
+FD_RESERVE = 256  # descriptors kept from connections: database pool, log and data files, listener, the
+# connections being answered 503 over the limit (each needs its descriptor until the answer is sent)
+
+
+def _raise_fd_limit() -> int:
+    """Every agent holds a connection open: take the file-descriptor hard limit (the soft one is often 1024).
+    Returns the soft limit now in force."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_limit(configured: int, fd_limit: int) -> int:
+    """The concurrency limit uvicorn enforces: ``max_connections``, but below the file-descriptor limit by
+    :data:`FD_RESERVE`, so the connection over the limit is still accepted and answered 503 (over the fd limit
+    ``accept()`` fails instead and the client waits unanswered)."""
+    return max(1, min(configured, fd_limit - FD_RESERVE if fd_limit > 2 * FD_RESERVE else fd_limit // 2))
 
 
 def serve(settings: Settings, *, port_file: Path | None = None) -> None:
@@ -103,7 +116,11 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     parse_targets(settings.notify_urls)  # a bad KERNELCTL_NOTIFY_URLS is refused before anything starts
     _upgrade_embedded_database(settings.database_url)
     state = build_state(settings)  # fail fast: DB reachable, schema at head, keys and tokens loaded
-    _raise_fd_limit()
+    fd_limit = _raise_fd_limit()
+    max_connections = connection_limit(settings.max_connections, fd_limit)
+    if max_connections < settings.max_connections:
+        log.warning("max_connections %d lowered to %d: the file-descriptor limit (ulimit -n) is %d",
+                    settings.max_connections, max_connections, fd_limit)
     sock = bind_socket(settings.listen_host, settings.listen_port)
     host, port = sock.getsockname()[:2]
     if settings.public_url is None and host not in ("0.0.0.0", "::"):  # notifications link to the bound address
@@ -125,7 +142,7 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
         http=protocol,
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
-        limit_concurrency=settings.max_connections,
+        limit_concurrency=max_connections,
     )
     server = uvicorn.Server(config)
     log.info("kernelctl controller listening on http://%s:%d (database %s, http %s)", host, port,

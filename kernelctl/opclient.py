@@ -148,6 +148,21 @@ class OperatorClient:
             resp = self.http.request(method, path, **kw)
         return _answer(method, path, resp)
 
+    def get_all(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        """GET ``path``; a list is paged (controller.paging): follow its ``Link rel="next"`` cursors to the
+        last page and return every row. Anything else as :meth:`request`."""
+        rows = None
+        while True:
+            with _transport_errors(self.url):
+                resp = self.http.get(path, params=params)
+            data = _answer("GET", path, resp)
+            if not isinstance(data, list):
+                return data
+            rows = data if rows is None else rows + data
+            if "next" not in resp.links:
+                return rows
+            path, params = resp.links["next"]["url"], None
+
     # ------------------------------------------------------------------------------------ verbs
     def push_bundle(self, file: Path | bytes) -> dict[str, Any]:
         data = file if isinstance(file, bytes) else Path(file).read_bytes()
@@ -170,7 +185,8 @@ class OperatorClient:
         return self.request("POST", f"/v1/rollouts/{rollout_id}/{action}", json=body)
 
     def nodes(self, state: str | None = None) -> list[dict[str, Any]]:
-        return self.request("GET", "/v1/nodes", params={"state": state} if state else None)
+        """Every node (all pages)."""
+        return self.get_all("/v1/nodes", params={"state": state} if state else None)
 
     def wait_rollout(self, rollout_id: int, *, timeout: float, poll: float = 0.5,
                      on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -210,8 +226,22 @@ class AsyncOperatorClient:
                 return await self._once(method, path, **kw)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _once(self, method: str, path: str, **kw: Any) -> Any:
+    async def get_all(self, path: str, *, retry: bool = False, **kw: Any) -> Any:
+        """GET a paged list to its last page (see :meth:`OperatorClient.get_all`); each page retried as
+        :meth:`request`."""
+        rows: list[Any] = []
+        while True:
+            data, links = await self.request("GET", path, retry=retry, with_links=True, **kw)
+            if not isinstance(data, list):
+                return data
+            rows.extend(data)
+            if "next" not in links:
+                return rows
+            path, kw = links["next"]["url"], {k: v for k, v in kw.items() if k != "params"}
+
+    async def _once(self, method: str, path: str, *, with_links: bool = False, **kw: Any) -> Any:
         with _transport_errors(self.url):
             resp = await self.http.request(method, self.url + path, headers=_headers(self.token),
                                            timeout=kw.pop("timeout", self.timeout), **kw)
-        return _answer(method, path, resp)
+        data = _answer(method, path, resp)
+        return (data, resp.links) if with_links else data

@@ -81,13 +81,17 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         32768, gt=0, description="Most concurrent connections, and requests in flight, per replica (503 over): every "
         "agent holds a watch open, and a fleet-wide change briefly doubles the requests in flight (replies going "
-        "out while the next watches come in). The file-descriptor limit is raised to its hard limit at start.")
+        "out while the next watches come in). The file-descriptor limit is raised to its hard limit at start; this is "
+        "lowered to 256 below it, so a connection over it is still accepted and answered 503.")
     http_impl: str = Field("auto", pattern="^(auto|httptools|h11)$", description="HTTP/1.1 parser of `kernelctl "
                            "serve`: httptools (C, the default when installed) or h11 (pure Python); auto picks "
                            "httptools when it is installed. Both enforce the header deadline and size limit.")
     auth_cache_seconds: float = Field(
         60.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
         "another replica (or with `kernelctl token revoke`) takes effect within this time.")
+    heartbeat_lane: bool = Field(True, description="Serve the common heartbeat outside the framework "
+                                 "(controller.api.heartbeat_lane: same answers, a fraction of the CPU); off: every "
+                                 "heartbeat goes through the FastAPI route.")
     api_docs: bool = Field(False, description="Serve /docs and /openapi.json (without a token). Off by default.")
 
     # --- notifications (controller/notify.py) ------------------------------------------------------

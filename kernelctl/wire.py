@@ -2,18 +2,29 @@
 
 No database, GPU or controller imports here: the agent imports only this module to talk to the
 controller. Every numeric field is validated (finite, non-negative, bounded) so that NaN, negative or
-absurd figures are refused with 422 and the field at fault, before anything is written.
+absurd figures are refused with 422 and the field at fault, before anything is written; the bounds (what a
+measurement can physically be, what a database column holds) are the types of :mod:`kernelctl.wire_limits`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from kernelctl.vocab import DEFAULT_MEMORY_MARGIN, DTypeName, LaunchGate, Outcome, Phase, Role
+from kernelctl.wire_limits import (
+    INT32_MAX,
+    ElementCount,
+    LatencySeconds,
+    LaunchCount,
+    LaunchesPerCall,
+    NonNegFinite,
+    Shape,
+    TrialSeconds,
+    finite,
+)
 
 API_PREFIX = "/v1"
 
@@ -22,20 +33,11 @@ BUNDLE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 VERSION_PATTERN = r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
 
 
-def _finite(v: float) -> float:
-    if not math.isfinite(v):
-        raise ValueError("must be a finite number (NaN and infinity are refused)")
-    return v
-
-
-Finite = Annotated[float, AfterValidator(_finite)]
-NonNegFinite = Annotated[float, AfterValidator(_finite), Field(ge=0)]
-# A kernel latency in seconds: positive and below an hour (anything else is a broken measurement).
-LatencySeconds = Annotated[float, AfterValidator(_finite), Field(gt=0, lt=3600)]
-ErrorValue = Annotated[float, AfterValidator(_finite), Field(ge=0, le=1e30)]
+ErrorValue = Annotated[float, AfterValidator(finite), Field(ge=0, le=1e30)]
 MemoryBytes = Annotated[int, Field(ge=0, le=2**50)]
-NodeName = Annotated[str, Field(pattern=NAME_PATTERN)]
-BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN)]
+# max_length: the column's (tests/controller/test_redteam.py checks every stored field against its column)
+NodeName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]
+BundleName = Annotated[str, Field(pattern=BUNDLE_NAME_PATTERN, max_length=128)]
 Version = Annotated[str, Field(pattern=VERSION_PATTERN, max_length=64)]
 # A database id: a signed 64-bit integer (BIGINT); anything larger is refused at the wire, not by the driver.
 RolloutId = Annotated[int, Field(ge=1, le=2**63 - 1)]
@@ -84,13 +86,13 @@ class Inventory(Strict):
     """
 
     gpu_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
-    compute_capability: str = Field(pattern=r"^([0-9]{1,2}\.[0-9]{1,2}|cpu)$")
-    arch: str = Field(pattern=r"^(sm_[0-9]{2,3}a?|cpu)$")
+    compute_capability: str = Field(max_length=8, pattern=r"^([0-9]{1,2}\.[0-9]{1,2}|cpu)$")
+    arch: str = Field(max_length=16, pattern=r"^(sm_[0-9]{2,3}a?|cpu)$")
     driver_version: str = Field(max_length=32, pattern=DRIVER_PATTERN)
     cuda_version: str = Field(max_length=16, pattern=CUDA_PATTERN)
     triton_version: str = Field(max_length=32, pattern=PY_VERSION_PATTERN)
     torch_version: str = Field(max_length=64, pattern=PY_VERSION_PATTERN)
-    memory_total_mb: int = Field(ge=0, le=2**31)
+    memory_total_mb: int = Field(ge=0, le=INT32_MAX)  # nodes.memory_total_mb is an INTEGER column
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
 
 
@@ -108,7 +110,7 @@ class RegisterResponse(Strict):
 class BundleRef(Strict):
     name: BundleName
     version: Version
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    digest: str = Field(max_length=64, pattern=r"^[0-9a-f]{64}$")
 
 
 class HeartbeatRequest(Strict):
@@ -194,16 +196,16 @@ class NumericCheck(Strict):
 
     op: str = Field(max_length=64)
     dtype: DTypeName
-    shape: dict[str, int]
+    shape: Shape
     max_abs_err: ErrorValue
     max_rel_err: ErrorValue
     within_tolerance: bool
-    unwritten: int = Field(0, ge=0)
+    unwritten: ElementCount = 0
     vs_stable_max_abs: ErrorValue | None = None
     vs_stable_within: bool | None = None
     kind: NumericKind | None = None
     case: str | None = Field(None, max_length=64)  # e.g. the edge-value case ("zero_rows")
-    nonfinite: int = Field(0, ge=0)
+    nonfinite: ElementCount = 0
 
 
 class CellResources(Strict):
@@ -213,8 +215,8 @@ class CellResources(Strict):
     tokens: int = Field(ge=1, le=10_000_000)
     stable_peak_bytes: MemoryBytes | None = None
     candidate_peak_bytes: MemoryBytes | None = None
-    stable_launches: int | None = Field(None, ge=0, le=100_000)
-    candidate_launches: int | None = Field(None, ge=0, le=100_000)
+    stable_launches: LaunchCount | None = None
+    candidate_launches: LaunchCount | None = None
 
 
 class CellWeight(Strict):
@@ -251,12 +253,12 @@ class TrialReport(Strict):
     stable: BundleRef | None
     outcome: Outcome
     measured_at: MeasuredAt
-    duration_s: NonNegFinite = 0.0
+    duration_s: TrialSeconds = 0.0
     latency: list[LatencyPair] = Field(default_factory=list, max_length=10_000)
     numerics: list[NumericCheck] = Field(default_factory=list, max_length=10_000)
     e2e_stable_s: LatencySeconds | None = None
     e2e_candidate_s: LatencySeconds | None = None
-    launches_per_call: dict[str, int] = Field(default_factory=dict)
+    launches_per_call: LaunchesPerCall = Field(default_factory=dict)
     peak_memory_bytes: MemoryBytes | None = None
     resources: Annotated[list[CellResources], AfterValidator(_unique_cells)] = Field(
         default_factory=list, max_length=10_000)

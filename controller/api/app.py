@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,24 +22,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm.exc import StaleDataError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
-from controller.api.deps import AUTH_SWEEP_SECONDS, AppState
+from controller.api.deps import AUTH_SWEEP_SECONDS, AppState, parse_bearer, scope_header
 from controller.api.heartbeat_lane import HeartbeatLane
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, make_engine, session_factory
 from controller.db.migrate import check_schema_current
 from controller.errors import KernelctlError, first_line
+from controller.http_limits import header_block_bytes
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
-from kernelctl import __version__
+from kernelctl import __version__, wire
 from kernelctl.settings import Settings
 
 log = logging.getLogger(__name__)
+MAX_ERRORS = 20  # field errors listed in one 422
 
 class BodyLimitMiddleware:
     """Bounded request bodies: a size limit per route and a deadline for the whole body.
@@ -67,8 +70,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
-            len(k) + len(v) + 4 for k, v in scope.get("headers", []))
+        head = header_block_bytes(scope)
         if head > self.settings.max_header_bytes:  # h11 bounds only a header block that arrives in pieces
             await _send_json(send, 431, f"request line and headers of {head} bytes are over the limit of "
                              f"{self.settings.max_header_bytes} bytes")
@@ -112,7 +114,34 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-async def _send_json(send: Send, status: int, detail: str) -> None:
+class TokenBeforeBody:
+    """A request that carries a body (every POST under ``/v1``: register, heartbeat, reports, bundle push,
+    rollout start, promote, ...) is authenticated from its headers before a byte of the body is read: a missing,
+    malformed, unknown, revoked or expired token is answered 401 at once and the connection closed, so an
+    unauthenticated client holds nothing while it sends (or trickles) a body. Roles are still checked by the
+    route; a database that cannot be reached is left to the route too (its 503)."""
+
+    def __init__(self, app: ASGIApp, get_state: Callable[[], AppState | None]) -> None:
+        self.app = app
+        self.get_state = get_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.get_state() if scope["type"] == "http" and scope["method"] == "POST" \
+            and scope["path"].startswith(wire.API_PREFIX + "/") else None
+        if state is not None:
+            try:
+                token = parse_bearer(scope_header(scope, b"authorization"))
+                if state.cached_principal(token) is None:
+                    await run_in_threadpool(state.authenticate, token)
+            except AuthError as exc:
+                await _send_json(send, 401, str(exc), [(b"www-authenticate", b"Bearer"), (b"connection", b"close")])
+                return
+            except Exception:  # e.g. the database is down: the route answers it (503)
+                pass
+        await self.app(scope, receive, send)
+
+
+async def _send_json(send: Send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     import json
 
     body = json.dumps({"detail": detail}).encode()
@@ -120,7 +149,8 @@ async def _send_json(send: Send, status: int, detail: str) -> None:
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        *headers],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -178,8 +208,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's field list, made JSON-safe: a refused NaN/Infinity is echoed back as a string
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+        # FastAPI's field list without the inputs: a refusal names the field and the rule, it never echoes
+        # what was sent (a 4 MiB batch would come back whole); made JSON-safe (a NaN bound in ctx)
+        errors = [{k: v for k, v in e.items() if k != "input"} for e in exc.errors()[:MAX_ERRORS]]
+        if len(exc.errors()) > MAX_ERRORS:
+            more = len(exc.errors()) - MAX_ERRORS
+            errors.append({"type": "too_many_errors", "loc": ["body"],
+                           "msg": f"and {more} more errors (only the first {MAX_ERRORS} shown)"})
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(errors))}, status_code=422)
 
     @app.exception_handler(AuthError)
     async def _auth(_r: Request, exc: AuthError) -> JSONResponse:
@@ -334,9 +370,11 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
     app.include_router(ui_router)
     _install_error_handlers(app)
 
+    get_state = lambda: getattr(app.state, "kctl", None)  # noqa: E731 - built by the lifespan
+    app.add_middleware(TokenBeforeBody, get_state=get_state)  # innermost: after the header and size checks
     app.add_middleware(BodyLimitMiddleware, settings=settings)
-    app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(getattr(app.state, "kctl", None), "metrics", None))
-    build = app.build_middleware_stack  # the heartbeat lane goes outside every middleware (heartbeat_lane)
-    app.build_middleware_stack = lambda: HeartbeatLane(  # type: ignore[method-assign]
-        build(), get_state=lambda: getattr(app.state, "kctl", None))
+    app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(get_state(), "metrics", None))
+    if settings.heartbeat_lane:
+        build = app.build_middleware_stack  # the heartbeat lane goes outside every middleware (heartbeat_lane)
+        app.build_middleware_stack = lambda: HeartbeatLane(build(), get_state=get_state)  # type: ignore[method-assign]
     return app

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -17,13 +18,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
-from controller.db.engine import session_scope
+from controller.db.engine import reader, session_factory, session_scope
 from controller.db.models import ApiToken, utcnow
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
-AUTH_CACHE_SECONDS = 60.0  # default of settings.auth_cache_seconds
+AUTH_CACHE_SECONDS: float = Settings.model_fields["auth_cache_seconds"].default
 AUTH_CACHE_MAX = 50_000  # cached principals (the cache is emptied when it grows past this)
 AUTH_SWEEP_SECONDS = 5.0  # how often the cache drops tokens revoked or expired elsewhere
 SWEEP_LOOKBACK_SECONDS = 60.0  # a revocation whose transaction committed this much after its timestamp is seen
@@ -68,6 +69,17 @@ class AppState:
         with session_scope(self.factory) as session:
             yield session
 
+    @cached_property
+    def _read_factory(self) -> sessionmaker[Session]:
+        return session_factory(reader(self.engine))
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """One read-only transaction (lists, audit): it never takes SQLite's write lock, so a writer (a
+        rollback) is never queued behind it; on PostgreSQL a statement that writes fails."""
+        with self._read_factory() as session, session.begin():
+            yield session
+
     def cached_principal(self, token: str | None) -> Principal | None:
         """The cached principal of a bearer token, without touching the database (None: not cached or
         expired). Malformed or missing tokens raise AuthError."""
@@ -88,7 +100,7 @@ class AppState:
         ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
         started = time.monotonic()
         now = utcnow()
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             lapsed = lapsed_tokens(session, now - dt.timedelta(seconds=ttl + SWEEP_LOOKBACK_SECONDS), now)
         dropped = 0
         with self._auth_lock:
@@ -107,7 +119,7 @@ class AppState:
         hit = self.cached_principal(token)
         if hit is not None:
             return hit
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             principal = authenticate(session, token)
         self.remember(token, principal)  # type: ignore[arg-type]
         return principal
@@ -116,7 +128,7 @@ class AppState:
         """Cache every live token's principal (one query; at start, so a restarted replica does not look up
         each of the fleet's tokens as its agents reconnect at once). Returns the tokens cached."""
         now = utcnow()
-        with self.factory() as session:
+        with self._read_factory() as session:  # a read: never the write lock
             rows = session.execute(select(ApiToken.id, ApiToken.name, ApiToken.role, ApiToken.node_name,
                                           ApiToken.token_hash)
                                    .where(ApiToken.revoked_at.is_(None),
@@ -162,6 +174,11 @@ State = Annotated[AppState, Depends(get_state)]
 
 def bearer_token(request: Request) -> str | None:
     return parse_bearer(request.headers.get("authorization"))
+
+
+def scope_header(scope: dict, name: bytes) -> str | None:
+    """A request header straight from the ASGI scope (for the middlewares that run before a Request exists)."""
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
 
 
 def parse_bearer(header: str | None) -> str | None:

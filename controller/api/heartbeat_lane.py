@@ -8,7 +8,10 @@ same pydantic model (``wire.HeartbeatRequest``), the caller by the same auth cac
 answer comes from :func:`answer`, which the route uses too. Anything else (no or unknown token, another
 node's token, a body that does not validate) is handed to the route unchanged, its body replayed, so errors,
 status codes and the OpenAPI schema stay the route's. The lane wraps the whole app (it is outside FastAPI's
-middlewares) and applies their body size and deadline limits and request metric itself.
+middlewares) and applies their body size and deadline limits and request metric itself; it takes only a
+request the route would take as it is (a JSON content type, a header block within ``max_header_bytes``, a
+token it has cached, checked before the body is read): any other input goes the full way, so the lane and the
+route give the same answer for every input.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.api.deps import AppState, parse_bearer
+from controller.api.body import is_json
+from controller.api.deps import AppState, parse_bearer, scope_header
 from controller.auth import AuthError
 from controller.errors import Overloaded
+from controller.http_limits import header_block_bytes
 from controller.watch import slow_heartbeat
 from kernelctl import wire
 
@@ -66,7 +71,8 @@ class HeartbeatLane:
         state = self.get_state() if scope["type"] == "http" and scope["method"] == "POST" \
             and scope["path"] == PATH else None
         length = _declared_length(scope) if state is not None else None
-        if state is None or length is None or length > state.settings.max_request_bytes:
+        if state is None or length is None or length > state.settings.max_request_bytes \
+                or not _route_would_take(state, scope):
             await self.app(scope, receive, send)  # chunked, too large, not a heartbeat: the full stack answers
             return
         started = time.perf_counter()
@@ -116,11 +122,20 @@ async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": payload})
 
 
+def _route_would_take(state: AppState, scope: Scope) -> bool:
+    """Before the body is read: headers the route's checks pass (size, JSON content type, a cached token)."""
+    if header_block_bytes(scope) > state.settings.max_header_bytes or not is_json(scope_header(scope, b"content-type")):
+        return False
+    try:
+        return state.cached_principal(parse_bearer(scope_header(scope, b"authorization"))) is not None
+    except AuthError:
+        return False
+
+
 def _common_case(state: AppState, scope: Scope, body: bytes) -> wire.HeartbeatRequest | None:
     """The request when it is the lane's case (cached token of this very node, valid body), else None."""
-    header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
     try:
-        principal = state.cached_principal(parse_bearer(header))
+        principal = state.cached_principal(parse_bearer(scope_header(scope, b"authorization")))
         req = wire.HeartbeatRequest.model_validate_json(body) if principal is not None else None
     except (AuthError, ValidationError, ValueError):
         return None

@@ -25,7 +25,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 
 from controller import ingest, registry
 from controller.api import heartbeat_lane
-from controller.api.body import json_body, openapi_body
+from controller.api.body import json_body, openapi_body, too_many
 from controller.api.deps import AppState, CurrentPrincipal, State
 from controller.auth import Forbidden, Principal, require_node, require_role
 from controller.db.models import utcnow
@@ -105,7 +105,7 @@ async def reports(request: Request, principal: CurrentPrincipal, state: State) -
 
     The body (``wire.ReportBatch``) is validated in one pass from its bytes, with FastAPI's 422 answers
     (``controller.api.body``)."""
-    batch = await json_body(request, wire.ReportBatch)
+    batch = await json_body(request, wire.ReportBatch, max_items=("reports", state.settings.max_report_batch))
     require_node(principal, batch.node_name)
     try:
         reply = await _write(state, _reports, batch, state)
@@ -115,11 +115,8 @@ async def reports(request: Request, principal: CurrentPrincipal, state: State) -
 
 
 def _reports(batch: wire.ReportBatch, state: AppState) -> wire.ReportBatchResponse:
-    if len(batch.reports) > state.settings.max_report_batch:
-        raise Invalid(
-            f"reports: {len(batch.reports)} reports in one batch is over the limit of "
-            f"{state.settings.max_report_batch}; split the batch"
-        )
+    if len(batch.reports) > state.settings.max_report_batch:  # a body json_body could not count first
+        raise Invalid(f"reports: {too_many('reports', len(batch.reports), state.settings.max_report_batch)}")
     try:
         accepted, duplicates, refused = _ingest(state, batch)
     except Exception:

@@ -13,10 +13,12 @@ from starlette.exceptions import HTTPException
 
 from controller import registry
 from controller.api.deps import CurrentPrincipal, Operator, State, Viewer
+from controller.api.pages import Cursor, Limit, keyset_page
 from controller.api.schemas import BundleOut
 from controller.auth import Forbidden, require_role
 from controller.db.models import Bundle
 from controller.errors import Conflict, NotFound
+from controller.paging import PAGE_MAX
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX + "/bundles", tags=["bundles"])
@@ -83,14 +85,16 @@ async def push(request: Request, principal: Operator, state: State) -> BundleOut
 
 
 @router.get("", response_model=list[BundleOut])
-def list_bundles(_p: Viewer, state: State,
-                 name: str | None = Query(None, max_length=128, pattern=r"^[ -~]*$")) -> list[BundleOut]:
-    """Every registered bundle version (optionally of one name), oldest first."""
-    with state.tx() as session:
-        stmt = select(Bundle).options(selectinload(Bundle.targets)).order_by(Bundle.name, Bundle.created_at, Bundle.id)
-        if name:
-            stmt = stmt.where(Bundle.name == name)
-        return [bundle_out(b) for b in session.scalars(stmt)]
+def list_bundles(_p: Viewer, state: State, request: Request, response: Response,
+                 name: str | None = Query(None, max_length=128, pattern=r"^[ -~]*$"),
+                 limit: int = Limit(PAGE_MAX), cursor: str | None = Cursor()) -> list[BundleOut]:
+    """Registered bundle versions (optionally of one name) by name, oldest first, a page at a time."""
+    stmt = select(Bundle).options(selectinload(Bundle.targets))
+    if name:
+        stmt = stmt.where(Bundle.name == name)
+    with state.read() as session:
+        return [bundle_out(b) for b in keyset_page(session, stmt, "bundles", (Bundle.name, Bundle.id), cursor=cursor,
+                                                   limit=limit, request=request, response=response)]
 
 
 def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped-def]
@@ -102,7 +106,7 @@ def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped
 
 @router.get("/{name}/{version}", response_model=BundleOut)
 def show(name: BundleNamePath, version: VersionPath, _p: Viewer, state: State) -> BundleOut:
-    with state.tx() as session:
+    with state.read() as session:
         return bundle_out(_get(session, name, version), manifest=True)
 
 
@@ -113,7 +117,7 @@ def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrinci
     require_role(principal, "agent", "viewer")
     if principal.is_enrollment:
         raise Forbidden("an enrollment token may only register; use the node token returned by register")
-    with state.tx() as session:
+    with state.read() as session:
         b = _get(session, name, version)
         data, digest = b.content, b.digest
     return Response(

@@ -1,20 +1,24 @@
-"""Fleet endpoints: nodes (inventory, liveness, versions), the compatibility matrix, and the audit log."""
+"""Fleet endpoints: nodes (inventory, liveness, versions), the compatibility matrix, and the audit log.
+
+Each is a list served a page at a time (``limit``, ``cursor``, a ``Link rel="next"`` header:
+``controller.api.pages``) in a read-only transaction (``AppState.read``: never SQLite's write lock)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
 
-from fastapi import APIRouter, Query
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import select
 
 from controller.api.deps import State, Viewer
+from controller.api.pages import Cursor, Limit, cursor_error, keyset_page, link_next, page_limit, query_error
 from controller.api.schemas import NodeOut
-from controller.audit import AuditFilters, AuditQueryError, event_to_dict, parse_time, query_events
-from controller.compat import compat_matrix, node_stratum
+from controller.audit import AuditFilters, AuditQueryError, event_to_dict, events_page, parse_time
+from controller.compat import compat_page, node_stratum
 from controller.db.models import Assignment, Bundle, Node
 from controller.errors import Invalid
+from controller.paging import PAGE_MAX, PageError, decode_cursor, encode_cursor
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX, tags=["fleet"])
@@ -34,10 +38,17 @@ def TimeText() -> Any:
 
 
 @router.get("/nodes", response_model=list[NodeOut])
-def nodes(_p: Viewer, state: State, state_filter: str | None = Query(None, alias="state", max_length=32,
-                                                                 pattern=r"^[a-z_]+$")) -> list[NodeOut]:
-    """Every node with its stratum, liveness, and active/desired versions and canary phase per bundle."""
-    with state.tx() as session:
+def nodes(_p: Viewer, state: State, request: Request, response: Response,
+          state_filter: str | None = Query(None, alias="state", max_length=32, pattern=r"^[a-z_]+$"),
+          limit: int = Limit(PAGE_MAX), cursor: str | None = Cursor()) -> list[NodeOut]:
+    """Nodes by name, a page at a time: stratum, liveness, and active/desired versions and canary phase per
+    bundle."""
+    stmt = select(Node)
+    if state_filter:
+        stmt = stmt.where(Node.state == state_filter)
+    with state.read() as session:
+        page = keyset_page(session, stmt, "nodes", (Node.name,), cursor=cursor, limit=limit, request=request,
+                           response=response)
         refs = {b_id: version for b_id, version in session.execute(select(Bundle.id, Bundle.version))}
         active: dict[int, dict[str, str]] = defaultdict(dict)
         desired: dict[int, dict[str, str]] = defaultdict(dict)
@@ -45,6 +56,7 @@ def nodes(_p: Viewer, state: State, state_filter: str | None = Query(None, alias
         for node_id, name, a, d, phase in session.execute(
             select(Assignment.node_id, Assignment.bundle_name, Assignment.active_bundle_id,
                    Assignment.desired_bundle_id, Assignment.phase)
+            .where(Assignment.node_id.in_([n.id for n in page]))
         ):
             if a in refs:
                 active[node_id][name] = refs[a]
@@ -52,23 +64,29 @@ def nodes(_p: Viewer, state: State, state_filter: str | None = Query(None, alias
                 desired[node_id][name] = refs[d]
             if phase:
                 phases[node_id][name] = phase
-        stmt = select(Node).order_by(Node.name)
-        if state_filter:
-            stmt = stmt.where(Node.state == state_filter)
         return [
             NodeOut(name=n.name, state=n.state, stratum=node_stratum(n), gpu_name=n.gpu_name, arch=n.arch,
                     driver_version=n.driver_version, triton_version=n.triton_version,
                     torch_version=n.torch_version, last_heartbeat_at=n.last_heartbeat_at,
                     active=active.get(n.id, {}), desired=desired.get(n.id, {}), phases=phases.get(n.id, {}))
-            for n in session.scalars(stmt)
+            for n in page
         ]
 
 
 @router.get("/compat")
-def compat(_p: Viewer, state: State, bundle: str | None = Text()) -> list[dict[str, Any]]:
-    """The compatibility matrix: each bundle version's state in each stratum."""
-    with state.tx() as session:
-        return [row.as_dict() for row in compat_matrix(session, bundle_name=bundle)]
+def compat(_p: Viewer, state: State, request: Request, response: Response, bundle: str | None = Text(),
+           limit: int = Limit(100), cursor: str | None = Cursor()) -> list[dict[str, Any]]:
+    """The compatibility matrix: each bundle version's state in each stratum; ``limit`` counts bundle
+    versions (each with one row per stratum)."""
+    page_limit(limit)
+    try:
+        key = decode_cursor("compat", cursor, str, int) if cursor is not None else None
+    except PageError as exc:
+        raise cursor_error(exc) from None
+    with state.read() as session:
+        rows, last = compat_page(session, bundle_name=bundle, after_key=key, limit=limit)
+    link_next(request, response, encode_cursor("compat", *last) if last is not None else None)
+    return [row.as_dict() for row in rows]
 
 
 def _time(value: str | None, name: str):  # type: ignore[no-untyped-def]
@@ -80,29 +98,28 @@ def _time(value: str | None, name: str):  # type: ignore[no-untyped-def]
         raise query_error(name, str(exc)) from None
 
 
-def query_error(name: str, msg: str) -> RequestValidationError:
-    """A 422 naming the query parameter (FastAPI's error shape)."""
-    return RequestValidationError([{"loc": ("query", name), "msg": msg, "type": "value_error"}])
-
-
-
 @router.get("/audit")
 def audit(
     _p: Viewer,
     state: State,
+    request: Request,
+    response: Response,
     bundle: str | None = Text(),
     node: str | None = Text(),
     actor: str | None = Text(),
     action: str | None = Text(),
     since: str | None = TimeText(),
     until: str | None = TimeText(),
-    limit: int = Query(100, ge=1, le=100_000),
+    limit: int = Limit(100),
+    cursor: str | None = Cursor(),
 ) -> list[dict[str, Any]]:
-    """Changelog events matching every filter, newest first."""
+    """Changelog events matching every filter, newest first, a page at a time."""
     filters = AuditFilters(bundle=bundle, node=node, actor=actor, action=action, since=_time(since, "since"),
-                           until=_time(until, "until"), limit=limit)
-    with state.tx() as session:
+                           until=_time(until, "until"), limit=page_limit(limit))
+    with state.read() as session:
         try:
-            return [event_to_dict(e) for e in query_events(session, filters)]
+            page, nxt = events_page(session, filters, cursor)
         except AuditQueryError as exc:
             raise Invalid(str(exc)) from None
+        link_next(request, response, nxt)
+        return [event_to_dict(e) for e in page]

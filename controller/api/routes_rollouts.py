@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request, Response
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
@@ -14,6 +14,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 from controller import rollouts
 from controller.api.deps import Operator, State, Viewer
+from controller.api.pages import Cursor, Limit, keyset_page
 from controller.api.schemas import (
     PromoteRequest,
     ReasonRequest,
@@ -151,20 +152,22 @@ def start(req: RolloutStartRequest, principal: Operator, state: State) -> Rollou
 
 
 @router.get("", response_model=list[RolloutOut])
-def list_rollouts(_p: Viewer, state: State,
+def list_rollouts(_p: Viewer, state: State, request: Request, response: Response,
                   state_filter: str | None = Query(None, max_length=32, pattern=r"^[a-z_]+$"),
-                  limit: int = Query(100, ge=1, le=10_000)) -> list[RolloutOut]:
-    with state.tx() as session:
-        stmt = select(Rollout).options(selectinload(Rollout.bundle)).order_by(Rollout.id.desc()).limit(
-            max(1, min(limit, 10_000)))
-        if state_filter:
-            stmt = stmt.where(Rollout.state == state_filter)
-        return [rollout_out(r) for r in session.scalars(stmt)]
+                  limit: int = Limit(100), cursor: str | None = Cursor()) -> list[RolloutOut]:
+    """Rollouts, newest first, a page at a time."""
+    stmt = select(Rollout).options(selectinload(Rollout.bundle))
+    if state_filter:
+        stmt = stmt.where(Rollout.state == state_filter)
+    with state.read() as session:
+        return [rollout_out(r) for r in keyset_page(session, stmt, "rollouts", (Rollout.id,), cursor=cursor,
+                                                    limit=limit, request=request, response=response,
+                                                    descending=True)]
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
 def show(rollout_id: RolloutId, _p: Viewer, state: State) -> RolloutDetail:
-    with state.tx() as session:
+    with state.read() as session:
         return rollout_detail(session, rollout_id)
 
 
@@ -173,7 +176,7 @@ def explain(rollout_id: RolloutId, _p: Viewer, state: State,
             stratum: Annotated[str | None, Query(max_length=96, description="Only this stratum.")] = None,
             ) -> RolloutExplain:
     """Every judged metric per stratum (value, bounds, margin, n, decision, which decided) and its history."""
-    with state.tx() as session:
+    with state.read() as session:
         return explain_rollout(session, rollout_id, stratum)
 
 

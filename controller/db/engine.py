@@ -2,6 +2,9 @@
 
 SQLite (the embedded default) gets WAL, a busy timeout and foreign keys; read-only opening uses SQLite's
 ``mode=ro`` URI and PostgreSQL's ``default_transaction_read_only`` so a read command can never write.
+Writers on SQLite begin ``IMMEDIATE`` (they take the write lock up front and serialise); readers
+(:func:`reader`, the API's list and audit queries) begin deferred and never take it, so a long read cannot
+hold back a rollback (WAL: a reader sees the snapshot of its first statement).
 """
 
 from __future__ import annotations
@@ -92,8 +95,21 @@ def _sqlite_pragmas(engine: Engine, *, wal: bool) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
-        # IMMEDIATE takes the write lock up front: two writers serialise instead of failing mid-way.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if wal else "BEGIN")
+        # IMMEDIATE takes the write lock up front: two writers serialise instead of failing mid-way. A reader
+        # (see reader()) begins deferred: it never takes the write lock, so it never holds a writer back.
+        immediate = wal and not conn.get_execution_options().get(READ, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+READ = "kernelctl_read"  # execution option of :func:`reader` engines
+
+
+def reader(engine: Engine) -> Engine:
+    """The same engine (same pool) for read-only transactions: deferred on SQLite (no write lock), ``READ
+    ONLY`` on PostgreSQL (a statement that writes fails)."""
+    if is_sqlite(engine):
+        return engine.execution_options(**{READ: True})
+    return engine.execution_options(**{READ: True, "postgresql_readonly": True})
 
 
 def check_reachable(engine: Engine) -> None:

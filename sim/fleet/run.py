@@ -127,7 +127,7 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
                 stopped = {a.name for a in fleet.agents if a.stopped}
                 deadline = time.monotonic() + min(left(), cfg.stale_after_seconds + 4 * cfg.tick_seconds + 10)
                 while time.monotonic() < deadline:
-                    nodes = await api.request("GET", "/v1/nodes", retry=True)
+                    nodes = await api.get_all("/v1/nodes", retry=True)
                     if stopped <= {n["name"] for n in nodes if n.get("state") == "stale"}:
                         break
                     await asyncio.sleep(1.0)
@@ -147,7 +147,7 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
         await fleet.final_flush()
         await fleet.aclose()
         metrics_text = (await op_http.get(ctl.url + "/metrics", timeout=30)).text
-        nodes = await api.request("GET", "/v1/nodes", retry=True)
+        nodes = await api.get_all("/v1/nodes", retry=True)
     wall = time.monotonic() - t_start
     cpu = _cpu_s() - cpu0
     stored = await asyncio.to_thread(stored_report_keys, db_url)

@@ -12,6 +12,12 @@ field, or a documented limit) and that nothing committed changes (the changelog,
 6. unbounded work (gzip bomb, huge labels and batches, slow or endless headers and bodies)
 7. reports from nodes that are not canaries, or for rollouts that are not live; /docs without a token;
    Alembic lines on every /readyz
+
+Issue 26 (API hardening), from ``test_reads_are_paged`` on: unbounded reads that held SQLite's write lock
+and blocked a rollback; a node token outliving the enrollment token that minted it; a 10,000-report batch
+stalling the loop and echoed back in its 422; max_connections above the fd limit; bodies read before the
+token; the heartbeat lane answering what the route refuses; physically impossible figures and wire limits
+above the database columns; ``token revoke --help`` naming the wrong cache default.
 """
 
 from __future__ import annotations
@@ -89,11 +95,18 @@ def heartbeat(ctl: ControllerProcess, token: str, name: str) -> httpx.Response:
         return c.post("/v1/agents/heartbeat", json={"node_name": name})
 
 
-def events(ctl: ControllerProcess) -> list[dict[str, Any]]:
+def events(ctl: ControllerProcess, **filters: Any) -> list[dict[str, Any]]:
+    """Every changelog event (newest first), following the audit's cursors page by page."""
+    out: list[dict[str, Any]] = []
+    url: str | None = "/v1/audit"
     with ctl.client("operator") as op:
-        r = op.get("/v1/audit", params={"limit": 100_000})
-        assert r.status_code == 200, r.text
-        return r.json()
+        params: dict[str, Any] | None = {"limit": 1000, **filters}
+        while url is not None:
+            r = op.get(url, params=params)
+            assert r.status_code == 200, r.text
+            out.extend(r.json())
+            url, params = r.links.get("next", {}).get("url"), None
+    return out
 
 
 def nodes(ctl: ControllerProcess) -> dict[str, dict[str, Any]]:
@@ -643,3 +656,460 @@ def test_docs_off_and_readyz_quiet(ctl: ControllerProcess) -> None:
         assert httpx.get(ctl.url + "/readyz").status_code == 200
     new = ctl.log_text().splitlines()[before:]
     assert not [line for line in new if "alembic" in line.lower()], new
+
+
+# ------------------------------------------------------- issue 26, 5: paged reads that never block writes
+def seed_events(ctl: ControllerProcess, n: int, *, action: str = "seed.event") -> list[int]:
+    """``n`` changelog events straight into the database (one bulk insert; ties in ``at``, as a group commit
+    makes); returns their ids."""
+    import datetime as dt
+
+    from sqlalchemy import insert, select
+
+    from controller.changelog import event_row
+    from controller.db.engine import make_engine
+    from controller.db.models import Event
+
+    now = dt.datetime.now(dt.timezone.utc)
+    engine = make_engine(ctl.db_url)
+    try:
+        with engine.begin() as conn:
+            first = conn.execute(select(Event.id).order_by(Event.id.desc()).limit(1)).scalar() or 0
+            conn.execute(insert(Event), [event_row(at=now - dt.timedelta(microseconds=i // 3), actor="seed",
+                                                   action=action, subject=f"seed:{i}") for i in range(n)])
+            return list(conn.execute(select(Event.id).where(Event.id > first, Event.action == action)).scalars())
+    finally:
+        engine.dispose()
+
+
+def read_all(client: httpx.Client, path: str, **params: Any) -> list[dict[str, Any]]:
+    """Every row of a list route, following its Link rel="next" cursors."""
+    rows: list[dict[str, Any]] = []
+    url: str | None = path
+    query: dict[str, Any] | None = params
+    while url is not None:
+        r = client.get(url, params=query)
+        assert r.status_code == 200, r.text
+        rows.extend(r.json())
+        url, query = r.links.get("next", {}).get("url"), None
+    return rows
+
+
+def test_reads_are_paged_with_a_stable_cursor(ctl: ControllerProcess, bundles: TestBundles) -> None:
+    from kernelctl.opclient import OperatorClient
+
+    for name in ("gpu-a", "gpu-b", "gpu-c"):
+        node_token(ctl, name)
+    push(ctl, bundles, "1.0.0")
+    push(ctl, bundles, "1.1.0")
+    seeded = seed_events(ctl, 2500)
+    with ctl.client("operator") as op:
+        # an unbounded page is refused, naming the parameter and the way to page
+        for path in ("/v1/audit", "/v1/nodes", "/v1/bundles", "/v1/rollouts", "/v1/compat"):
+            r = op.get(path, params={"limit": 100_000})
+            assert fields(r) == ["query.limit"] and "rel=\\\"next\\\"" in r.text, (path, r.text)
+            assert len(r.content) < 1000
+        # garbage or another list's cursor: 422 naming the cursor
+        nodes_cursor = op.get("/v1/nodes", params={"limit": 1}).links["next"]["url"].split("cursor=")[1]
+        for bad in ("bm90LWEtY3Vyc29y", nodes_cursor):
+            r = op.get("/v1/audit", params={"cursor": bad})
+            assert r.status_code == 422 and "cursor" in r.text, r.text
+        # paging while events keep arriving: every event there at the start comes exactly once, in order
+        seen: list[dict[str, Any]] = []
+        url: str | None = "/v1/audit"
+        params: dict[str, Any] | None = {"limit": 300, "action": "seed.event"}
+        while url is not None:
+            r = op.get(url, params=params)
+            assert r.status_code == 200 and len(r.json()) <= 300, r.text
+            seen.extend(r.json())
+            seed_events(ctl, 40)  # newer than every page still to come
+            url, params = r.links.get("next", {}).get("url"), None
+        assert sorted(e["id"] for e in seen) == sorted(seeded)
+        assert [(e["at"], e["id"]) for e in seen] == sorted(((e["at"], e["id"]) for e in seen), reverse=True)
+        # every list: a bounded page, the rest behind the cursor
+        for path, key in (("/v1/nodes", "name"), ("/v1/bundles", "ref"), ("/v1/compat", "bundle")):
+            r = op.get(path, params={"limit": 1})
+            assert r.status_code == 200 and "next" in r.links, (path, r.text)
+            assert len({row[key] for row in read_all(op, path, limit=1)}) >= 2, path
+    # the operator client (every list command of the CLI) follows the cursors
+    with OperatorClient(ctl.url, ctl.tokens["viewer"]) as client:
+        assert len(client.get_all("/v1/audit", params={"action": "seed.event", "limit": 700})) == len(seeded) + 40 * 9
+    listed = kctl("nodes", "--json", "--url", ctl.url, "--token", ctl.tokens["viewer"])
+    assert listed.returncode == 0 and len(json.loads(listed.stdout)) == 3, listed.stderr
+    # kernelctl audit (direct, read-only) reads page by page past one page
+    out = kctl("audit", "--action", "seed.event", "--limit", "2500", "--format", "json", "--db", ctl.db_url)
+    assert out.returncode == 0 and len(json.loads(out.stdout)) == 2500, out.stderr[-500:]
+
+
+def test_reads_never_hold_back_a_rollback(ctl: ControllerProcess, bundles: TestBundles) -> None:
+    node_token(ctl, "gpu-a")
+    rid = live_rollout(ctl, bundles, "1.0.0")
+    seed_events(ctl, 6000)
+    if ctl.db_url.startswith("sqlite"):
+        # a writer holds SQLite's write lock: every read still answers (reads never take it)
+        import sqlite3
+
+        made = kctl("token", "create", "--role", "viewer", "--name", "fresh-viewer", "--db", ctl.db_url)
+        assert made.returncode == 0, made.stderr  # a token no replica has cached: its lookup is a read too
+        lock = sqlite3.connect(ctl.db_url.removeprefix("sqlite:///"), timeout=0, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            with ctl.client(token=made.stdout.strip(), timeout=20) as v:
+                for path in ("/v1/audit", "/v1/nodes", "/v1/rollouts", "/v1/bundles", "/v1/compat"):
+                    assert v.get(path).status_code == 200, path
+        finally:
+            lock.rollback()
+            lock.close()
+    # four clients reading the whole audit log (page after page) while an operator rolls back
+    stop = threading.Event()
+    totals: list[int] = []
+    failures: list[str] = []
+
+    def reader() -> None:
+        with ctl.client("viewer", timeout=60) as v:
+            while not stop.is_set():
+                try:
+                    totals.append(len(read_all(v, "/v1/audit", limit=1000)))
+                except (AssertionError, httpx.HTTPError) as exc:
+                    failures.append(repr(exc)[:300])
+
+    readers = [threading.Thread(target=reader) for _ in range(4)]
+    for t in readers:
+        t.start()
+    try:
+        time.sleep(1.0)
+        with ctl.client("operator", timeout=60) as op:
+            r = op.post(f"/v1/rollouts/{rid}/rollback", json={"reason": "red team: rollback under big reads"})
+            assert r.status_code == 200, r.text
+            assert r.json()["state"] == "rolled_back", r.json()
+    finally:
+        stop.set()
+        for t in readers:
+            t.join()
+    assert not failures, failures[:3]
+    assert totals and min(totals) >= 6000, totals
+
+
+# ---------------------------------------------------- issue 26, 6: token lifetime across re-registration
+def token_rows(ctl: ControllerProcess) -> list[dict[str, Any]]:
+    listed = kctl("token", "list", "--all", "--json", "--db", ctl.db_url)
+    assert listed.returncode == 0, listed.stderr
+    return json.loads(listed.stdout)
+
+
+def test_a_node_token_never_outlives_what_minted_it(ctl: ControllerProcess) -> None:
+    made = kctl("token", "create", "--role", "agent", "--name", "enroll-10m", "--expires-in", "10m",
+                "--db", ctl.db_url)
+    assert made.returncode == 0, made.stderr
+    enroll = made.stdout.strip()
+    expiry = next(t["expires_at"] for t in token_rows(ctl) if t["name"] == "enroll-10m")
+    assert expiry is not None
+    r = register(ctl, "gpu-x", token=enroll)
+    assert r.status_code == 200, r.text
+    t1 = r.json()["node_token"]
+    valid = [t for t in token_rows(ctl) if t["node"] == "gpu-x" and t["state"] == "valid"]
+    assert [t["expires_at"] for t in valid] == [expiry]
+    # re-registering with that node token: the new one expires then too (one-by-one path)
+    r = register(ctl, "gpu-x", token=t1, labels={"rack": "r2"})
+    assert r.status_code == 200, r.text
+    valid = [t for t in token_rows(ctl) if t["node"] == "gpu-x" and t["state"] == "valid"]
+    assert [t["expires_at"] for t in valid] == [expiry]
+    created = [e for e in events(ctl, action="token.created") if e["node"] == "gpu-x"]
+    assert len(created) == 2 and all(e["payload"]["expires_at"] for e in created), created
+    # an operator-issued node token with an expiry passes it on the same way
+    made = kctl("token", "create", "--role", "agent", "--node", "gpu-x", "--expires-in", "5m", "--db", ctl.db_url)
+    assert made.returncode == 0, made.stderr
+    approved = made.stdout.strip()
+    short = next(t["expires_at"] for t in token_rows(ctl) if t["node"] == "gpu-x" and t["state"] == "valid")
+    r = register(ctl, "gpu-x", token=approved)
+    assert r.status_code == 200, r.text
+    valid = [t for t in token_rows(ctl) if t["node"] == "gpu-x" and t["state"] == "valid"]
+    assert [t["expires_at"] for t in valid] == [short] and short < expiry
+
+
+# ------------------------------------------- issue 26, 7: batches bounded by count, refused without echo
+FLOOD_TRIAL = {"rollout_id": 1, "stratum": "sm_90/drv550/triton3.6.0",
+               "candidate": {"name": "llm-fused", "version": "1.1.0", "digest": "c" * 64}, "stable": None}
+
+
+def flood_batch(node: str, n: int = 10_000) -> bytes:
+    """``n`` small, valid reports (no numerics): 10,000 of them are 3.94 MiB, under the 4 MiB body limit."""
+    report = {**{k: v for k, v in ok_report("x", FLOOD_TRIAL).items() if k != "numerics"}, "detail": "trial ok.."}
+    return json.dumps({"node_name": node, "reports": [{**report, "idempotency_key": f"flood-{i:08d}"}
+                                                     for i in range(n)]}, separators=(",", ":")).encode()
+
+
+def test_oversized_report_batch_is_refused_by_count_without_echo(ctl: ControllerProcess) -> None:
+    flooder = node_token(ctl, "gpu-a")
+    other = node_token(ctl, "gpu-b")
+    before = events(ctl)
+    batch = flood_batch("gpu-a")
+    assert 3.9 * MiB < len(batch) < 4 * MiB, len(batch)
+    latencies: list[float] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        with ctl.client(token=other) as c:
+            while not stop.is_set():
+                t = time.monotonic()
+                status = c.post("/v1/agents/heartbeat", json={"node_name": "gpu-b"}).status_code
+                latencies.append(time.monotonic() - t)
+                if status != 200:
+                    failures.append(f"heartbeat answered {status}")
+                time.sleep(0.02)
+
+    hb = threading.Thread(target=heartbeats)
+    hb.start()
+    try:
+        time.sleep(0.5)
+        with ctl.client(token=flooder) as c:
+            start = time.monotonic()
+            r = c.post("/v1/agents/reports", content=batch, headers={"Content-Type": "application/json"})
+            took = time.monotonic() - start
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        hb.join()
+    assert fields(r) == ["body.reports"] and "10000 items in reports is over the limit of 1000" in r.text, r.text
+    assert len(r.content) < 1000 and b"flood-" not in r.content, len(r.content)  # no echo
+    assert not failures, failures
+    p99 = sorted(latencies)[int(0.99 * (len(latencies) - 1))]
+    print(f"10,000-report batch ({len(batch) / MiB:.2f} MiB) refused in {took:.3f} s; another node's heartbeat "
+          f"p99 {p99 * 1000:.0f} ms over {len(latencies)} heartbeats")
+    # within the count, every report wrong: the 422 names the first errors, never the input
+    wrong = json.loads(flood_batch("gpu-a", 1000))
+    for rep in wrong["reports"]:
+        rep["latency"][0]["stable_s"] = -1.0
+    with ctl.client(token=flooder) as c:
+        r = c.post("/v1/agents/reports", json=wrong)
+    errors = r.json()["detail"]
+    assert r.status_code == 422 and len(errors) == 21 and errors[-1]["type"] == "too_many_errors", r.text[:500]
+    assert fields(r)[0] == "body.reports.0.latency.0.stable_s" and b"flood-" not in r.content
+    assert len(r.content) < 8000
+    assert events(ctl) == before
+
+
+# ------------------------------------------------------------ issue 26, 8: connections and the token first
+def test_the_token_is_checked_before_the_body_is_read(ctl: ControllerProcess) -> None:
+    node_token(ctl, "gpu-a")
+    paths = ("/v1/agents/register", "/v1/agents/heartbeat", "/v1/agents/reports", "/v1/rollouts",
+             "/v1/rollouts/1/promote", "/v1/rollouts/1/rollback", "/v1/bundles")
+    for path in paths:
+        for auth in ("", "Authorization: Bearer kctl_not_a_real_token_0123456789\r\n",
+                     f"Authorization: Bearer {ctl.tokens['viewer']}x\r\n"):
+            with _raw(ctl) as s:
+                # headers of a 100 KB body, and not a byte of the body: the answer must not wait for it
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                          "Content-Length: 100000\r\n\r\n".encode())
+                data, _took = _read_until_closed(s, 30)
+            assert data.startswith(b"HTTP/1.1 401"), (path, auth, data[:200])
+            assert b"www-authenticate: Bearer" in data.lower().replace(b"bearer", b"Bearer"), data[:300]
+    # a valid token still gets its request through (the body is read after it)
+    with ctl.client("operator") as op:
+        r = op.post("/v1/rollouts", json={"bundle": "llm-fused@9.9.9"})
+        assert r.status_code == 404, r.text
+
+
+FD_LIMIT = 400  # the controller's RLIMIT_NOFILE (soft = hard, so it cannot raise it)
+
+
+def test_connections_over_the_limit_are_answered_503(tmp_path: Path) -> None:
+    import resource
+
+    from kernelctl.procs import kernelctl_args
+    from tests import dbutil
+
+    def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(kernelctl_args(*argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=limit)
+
+    env = {"KERNELCTL_HEADER_TIMEOUT_SECONDS": "120", "KERNELCTL_BODY_TIMEOUT_SECONDS": "120"}
+    with dbutil.fresh_database("sqlite", tmp_path) as url, \
+            ControllerProcess(url, tmp_path, extra_env=env, spawn=spawn) as ctl:
+        held: list[socket.socket] = []
+        try:
+            # 200 connections, each with a request in flight (a bundle push whose body never comes)
+            for _ in range(200):
+                s = _raw(ctl)
+                s.sendall(f"POST /v1/bundles HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ctl.tokens['operator']}"
+                          "\r\nContent-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n".encode())
+                held.append(s)
+            # more connections than descriptors are left: each is still accepted and answered 503 at once
+            for i in range(FD_LIMIT):
+                with _raw(ctl) as s:
+                    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    s.settimeout(15)
+                    try:
+                        head = s.recv(4096).split(b"\r\n", 1)[0]
+                    except TimeoutError:
+                        raise AssertionError(f"connection {i} over the limit not answered (accept failed?)") from None
+                    assert head == b"HTTP/1.1 503 Service Unavailable", (i, head)
+        finally:
+            for s in held:
+                s.close()
+        with ctl.client("viewer") as v:  # the held connections gone, the controller serves again
+            deadline = time.monotonic() + 15
+            while v.get("/healthz").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert "max_connections 32768 lowered to 200" in ctl.log_text()
+
+
+# ---------------------------------------------------------- issue 26, 9: the heartbeat lane and the route
+def raw_post(ctl: ControllerProcess, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
+    """One request in one write on its own connection: the status and the JSON (or text) answer."""
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    with _raw(ctl) as s:
+        s.sendall(head.encode() + body)
+        data, _ = _read_until_closed(s, 30)
+    status_line, _, rest = data.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    try:
+        doc: Any = json.loads(payload)
+    except ValueError:
+        doc = payload.decode("latin-1")
+    if isinstance(doc, dict):
+        doc.pop("server_time", None)
+        doc.pop("generation", None)
+    return int(status_line.split()[1]), doc
+
+
+def test_heartbeat_lane_answers_as_the_route(ctl: ControllerProcess, db_url: str, tmp_path: Path,
+                                             zygote: Zygote) -> None:
+    token = node_token(ctl, "gpu-a")
+    node_token(ctl, "gpu-b")
+    env = {"KERNELCTL_AUTH_CACHE_SECONDS": "60", "KERNELCTL_HEARTBEAT_LANE": "false"}
+    json_ct = {"Content-Type": "application/json"}
+    good = b'{"node_name": "gpu-a"}'
+    cases: list[tuple[str, dict[str, str], bytes]] = [
+        ("valid", json_ct, good),
+        ("text/plain", {"Content-Type": "text/plain"}, good),
+        ("form", {"Content-Type": "application/x-www-form-urlencoded"}, b"node_name=gpu-a"),
+        ("form with JSON", {"Content-Type": "application/x-www-form-urlencoded"}, good),
+        ("multipart", {"Content-Type": "multipart/form-data; boundary=xx"},
+         b'--xx\r\nContent-Disposition: form-data; name="node_name"\r\n\r\ngpu-a\r\n--xx--\r\n'),
+        ("missing content type", {}, good),
+        ("+json content type", {"Content-Type": "application/vnd.kctl+json"}, good),
+        ("36 KB header block", {**json_ct, "X-Pad": "a" * 36_000}, good),
+        ("100 KB header block", {**json_ct, "X-Pad": "a" * 100_000}, good),
+        ("many headers", {**json_ct, **{f"X-H{i}": "b" * 90 for i in range(400)}}, good),
+        ("truncated JSON", json_ct, b'{"node_name": '),
+        ("a list", json_ct, b"[]"),
+        ("null", json_ct, b"null"),
+        ("empty", json_ct, b""),
+        ("unknown field", json_ct, b'{"node_name": "gpu-a", "bogus": 1}'),
+        ("NaN wait", json_ct, b'{"node_name": "gpu-a", "wait_seconds": NaN}'),
+        ("negative wait", json_ct, b'{"node_name": "gpu-a", "wait_seconds": -1}'),
+        ("another node", json_ct, b'{"node_name": "gpu-b"}'),
+        ("invalid UTF-8", json_ct, b'{"node_name": "\xff"}'),
+        ("trailing garbage", json_ct, good + b" x"),
+    ]
+    expected = {"valid": 200, "+json content type": 200, "text/plain": 422, "form": 422, "form with JSON": 422,
+                "multipart": 422, "missing content type": 422, "36 KB header block": 431,
+                "100 KB header block": 431, "many headers": 431, "another node": 403}
+    with ControllerProcess(db_url, tmp_path / "route", tokens=ctl.tokens, name="route", extra_env=env,
+                           zygote=zygote) as route:
+        for what, headers, body in cases:
+            auth = {"Authorization": f"Bearer {token}", **headers}
+            lane_answer = raw_post(ctl, "/v1/agents/heartbeat", auth, body)
+            route_answer = raw_post(route, "/v1/agents/heartbeat", auth, body)
+            assert lane_answer == route_answer, (what, lane_answer, route_answer)
+            if what in expected:
+                assert lane_answer[0] == expected[what], (what, lane_answer)
+            else:
+                assert lane_answer[0] in (400, 422), (what, lane_answer)
+
+
+# ------------------------------------------------- issue 26, 10 and 4: impossible figures, column limits
+ABSURD: list[tuple[str, dict[str, Any]]] = [
+    ("latency.0.stable_s", {"latency": [{"op": "bias_gelu", "tokens": 8, "stable_s": 1e-320,
+                                         "candidate_s": 1e-4}]}),
+    ("latency.0.candidate_s", {"latency": [{"op": "bias_gelu", "tokens": 8, "stable_s": 1e-4,
+                                            "candidate_s": float("nan")}]}),
+    ("launches_per_call.bias_gelu", {"launches_per_call": {"bias_gelu": 10**30}}),
+    ("launches_per_call.bias_gelu", {"launches_per_call": {"bias_gelu": -1}}),
+    ("numerics.0.shape.M", {"numerics": [{"op": "bias_gelu", "dtype": "fp16", "shape": {"M": 10**100, "N": 64},
+                                          "max_abs_err": 0.0, "max_rel_err": 0.0, "within_tolerance": True}]}),
+    ("numerics.0.nonfinite", {"numerics": [{"op": "bias_gelu", "dtype": "fp16", "shape": {"M": 8},
+                                            "max_abs_err": 0.0, "max_rel_err": 0.0, "within_tolerance": True,
+                                            "nonfinite": 10**30}]}),
+    ("e2e_stable_s", {"e2e_stable_s": 1e-12, "e2e_candidate_s": 1e-3}),
+    ("duration_s", {"duration_s": 1e30}),
+]
+
+
+def test_impossible_figures_are_refused(ctl: ControllerProcess) -> None:
+    token = node_token(ctl, "gpu-a")
+    before = events(ctl)
+    with ctl.client(token=token) as c:
+        for field, change in ABSURD:
+            body = json.dumps({"node_name": "gpu-a", "reports": [{**ok_report("absurd-0001", FLOOD_TRIAL),
+                                                                  **change}]})
+            r = c.post("/v1/agents/reports", content=body, headers={"Content-Type": "application/json"})
+            assert any(f.startswith(f"body.reports.0.{field}") for f in fields(r)), (field, r.text)
+            assert "1e-320" not in r.text and "0" * 30 not in r.text  # named, not echoed
+    # the INTEGER column's limit, at the wire: one past it is the node's own 422 (on every backend)
+    def huge(mb: int) -> httpx.Response:
+        with ctl.client("enroll") as c:
+            return c.post("/v1/agents/register", json={"node_name": "gpu-huge",
+                                                       "inventory": {**inventory(), "memory_total_mb": mb}})
+
+    assert fields(huge(2**31)) == ["body.inventory.memory_total_mb"]
+    assert events(ctl) == before
+    assert huge(2**31 - 1).status_code == 200
+
+
+def _schema_bound(model: Any, field: str, key: str) -> int | None:
+    prop = model.model_json_schema()["properties"][field]
+    for option in [prop, *prop.get("anyOf", [])]:
+        if key in option:
+            return option[key]
+    return None
+
+
+def test_wire_limits_fit_the_database_columns() -> None:
+    """Every wire field stored in a column is bounded by that column: a value the wire accepts is one the
+    database stores (PostgreSQL enforces VARCHAR lengths and INTEGER ranges; SQLite does not)."""
+    from sqlalchemy import BigInteger, Integer, String
+
+    from controller.db.models import Bundle, DesiredGeneration, Node, Report
+    from kernelctl import wire
+
+    stored = [(wire.Inventory, f, Node.__table__.c[f]) for f in (
+        "gpu_name", "compute_capability", "arch", "driver_version", "cuda_version", "triton_version",
+        "torch_version", "memory_total_mb")]
+    stored += [(wire.RegisterRequest, "node_name", Node.__table__.c.name),
+               (wire.BundleRef, "name", Bundle.__table__.c.name),
+               (wire.BundleRef, "version", Bundle.__table__.c.version),
+               (wire.BundleRef, "digest", Bundle.__table__.c.digest),
+               (wire.TrialReport, "idempotency_key", Report.__table__.c.idempotency_key),
+               (wire.TrialReport, "stratum", Report.__table__.c.stratum),
+               (wire.TrialReport, "rollout_id", Report.__table__.c.rollout_id),
+               (wire.TrialReport, "peak_memory_bytes", Report.__table__.c.peak_memory_bytes),
+               (wire.HeartbeatRequest, "generation", DesiredGeneration.__table__.c.value)]
+    for model, field, column in stored:
+        where = f"{model.__name__}.{field} -> {column.table.name}.{column.name}"
+        if isinstance(column.type, String):
+            bound = _schema_bound(model, field, "maxLength")
+            assert bound is not None and bound <= column.type.length, (where, bound, column.type.length)
+        else:
+            widest = 2**63 - 1 if isinstance(column.type, BigInteger) else 2**31 - 1
+            assert isinstance(column.type, Integer | BigInteger), where
+            bound = _schema_bound(model, field, "maximum")
+            assert bound is not None and bound <= widest, (where, bound, widest)
+
+
+def test_token_revoke_help_states_the_real_cache_default() -> None:
+    from kernelctl.settings import Settings
+
+    out = kctl("token", "revoke", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    default = Settings.model_fields["auth_cache_seconds"].default
+    assert f"KERNELCTL_AUTH_CACHE_SECONDS (default {default:g} s)" in text, text
