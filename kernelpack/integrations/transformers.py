@@ -97,10 +97,14 @@ def _rmsnorm_reason(x: torch.Tensor, norm: nn.Module) -> str | None:
     return _dtype_reason(_add_rmsnorm_mod.DOMAIN, x.dtype)
 
 
+def _rmsnorm_call_reason(layer: nn.Module, x: torch.Tensor, norm: nn.Module) -> str | None:
+    return _rmsnorm_reason(x, norm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+
+
 def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                  layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) through the fused op, or transformers' code outside its domain."""
-    why = _rmsnorm_reason(x, norm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+    why = _call_reason("rmsnorm", layer, x, norm)
     if why is not None:
         _fallback("rmsnorm", why)
         h = residual + x
@@ -123,13 +127,18 @@ def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, attenti
 
 
 # ---------------------------------------------------------------------------------------------------- SwiGLU
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
+def _mlp_call_reason(mlp: nn.Module, gate: torch.Tensor) -> str | None:
     inter = gate.shape[-1]
     why = _dtype_reason(_swiglu_mod.DOMAIN, gate.dtype)
     if why is None and not _swiglu_mod.DOMAIN.dims["hidden"].contains(inter):
         why = f"intermediate size {inter} outside the kernel's domain"
-    why = why or _policy_reason(self, "mlp", gate.numel() // inter)
+    return why or _policy_reason(mlp, "mlp", gate.numel() // inter)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    inter = gate.shape[-1]
+    why = _call_reason("mlp", self, gate)
     if why is not None:
         _fallback("mlp", why)
         return self.down_proj(self.act_fn(gate) * up)
@@ -150,6 +159,10 @@ def _rope_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, head_dim: 
     return _dtype_reason(_rope_mod.DOMAIN, q.dtype)
 
 
+def _rope_call_reason(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> str | None:
+    return _rope_reason(q, k, cos, attn.head_dim) or _policy_reason(attn, "rope", q.shape[0] * q.shape[1])
+
+
 def _half_table(t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     half = t.shape[-1] // 2
     return t[..., :half].expand(batch, seq, half).reshape(batch * seq, half).contiguous()
@@ -160,14 +173,15 @@ def _make_attention_forward(ml: types.ModuleType):
 
     def forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
                 attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        # transformers >= 5.24 passes the KV cache as ``cache`` (``past_key_values`` before)
+        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)  # (batch, seq, heads, head_dim): the op's layout
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        why = _rope_reason(q, k, cos, self.head_dim) or _policy_reason(
-            self, "rope", input_shape[0] * input_shape[1])
+        why = _call_reason("rope", self, q, k, cos)
         if why is None:
             b, s = input_shape
             qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], self.head_dim),
@@ -178,8 +192,8 @@ def _make_attention_forward(ml: types.ModuleType):
         else:
             _fallback("rope", why)
             q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attention_interface = ml.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, ml.eager_attention_forward)
         attn_output, attn_weights = attention_interface(
@@ -209,14 +223,19 @@ def _flash_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, att
     return _dtype_reason(_flash_mod.DOMAIN, query.dtype)
 
 
+def _attention_call_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                           dropout: float, scaling: float | None) -> str | None:
+    return _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
+        module, "attention", query.shape[0] * query.shape[2])
+
+
 def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``kernelctl.flash_attn`` where it applies, else SDPA."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-    why = _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
-        module, "attention", query.shape[0] * query.shape[2])
+    why = _call_reason("attention", module, query, key, attention_mask, dropout, scaling)
     if why is not None:
         _fallback("attention", why)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -225,6 +244,34 @@ def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     o = torch.ops.kernelctl.flash_attn(query.contiguous(), repeat_kv(key, rep).contiguous(),
                                        repeat_kv(value, rep).contiguous())
     return o.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------- decisions under torch.compile
+_CALL_REASONS = {"rmsnorm": _rmsnorm_call_reason, "mlp": _mlp_call_reason, "rope": _rope_call_reason,
+                 "attention": _attention_call_reason}
+_TENSOR = "__kernelctl_tensor__"  # marks a tensor passed to _traced_reason as (marker, shape, dtype)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_reason(kind: str, *args: Any) -> str | None:
+    """The decision of one call site, made once per traced shape: dynamo runs this at trace time and installs
+    no guards on what it reads (modules' eps and policy, the kernels' domains). Those are fixed once
+    ``apply_kernels`` has run; a version switch drops the compiled call (see ``_follow_switches_in_generate``)."""
+    meta = (torch.empty(a[1], dtype=a[2], device="meta") if isinstance(a, tuple) and a[:1] == (_TENSOR,) else a
+            for a in args)
+    return _CALL_REASONS[kind](*meta)
+
+
+def _call_reason(kind: str, *args: Any) -> str | None:
+    """Why this call runs transformers' code (None: the kernel). Eagerly, per call. Under ``torch.compile``
+    through :func:`_traced_reason`, so the compiled model checks no more per step than transformers' own:
+    ``generate`` at batch 1 is bound by the host (dynamo's guards and the CUDA graph launch), and the
+    per-call-site reads of module attributes and domain tables cost ~60 us of guards per token in a
+    4-layer model (profiled on an H100, docs/gpu.md "generate")."""
+    if not torch.compiler.is_compiling():
+        return _CALL_REASONS[kind](*args)
+    return _traced_reason(kind, *((_TENSOR, tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                                  for a in args))
 
 
 def register_attention() -> None:
@@ -262,6 +309,24 @@ def _follow_switches_in_generate(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- entry
+_PATCHED_CLASSES: dict[tuple[type, Any], type] = {}
+
+
+def _patch_forward(module: nn.Module, forward: Any) -> None:
+    """Give this instance ``forward`` through a subclass of its class (one per class and forward, shared by the
+    layers), not an instance attribute: a per-instance bound method costs dynamo guards on every call of the
+    compiled model (the method's type, its function and closure, per module), the subclass none beyond the
+    class check it makes anyway. Other instances of the class are untouched."""
+    cls = type(module)
+    key = (cls, forward)
+    sub = _PATCHED_CLASSES.get(key)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "__qualname__": f"{cls.__qualname__}[kernelctl]"})
+        _PATCHED_CLASSES[key] = sub
+    module.__class__ = sub
+
+
 def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
     for m in model.modules():
         if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
@@ -299,20 +364,20 @@ def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
             m.__dict__["_kernelctl_policy"] = dict(policy or {})
         patched: set[str] = layer.__dict__.setdefault("_kernelctl_kinds", set())
         if "rmsnorm" in kinds and "rmsnorm" not in patched:
-            layer.forward = types.MethodType(_decoder_layer_forward, layer)
+            _patch_forward(layer, _decoder_layer_forward)
             patched.add("rmsnorm")
             counts["rmsnorm"] += 1
         mlp = layer.mlp
         if "mlp" in kinds and "mlp" not in patched:
             if getattr(config, "hidden_act", None) == "silu" and all(
                     hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
-                mlp.forward = types.MethodType(_mlp_forward, mlp)
+                _patch_forward(mlp, _mlp_forward)
                 patched.add("mlp")
                 counts["mlp"] += 1
             else:
                 _fallback("mlp", f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU (SwiGLU)")
         if "rope" in kinds and "rope" not in patched:
-            layer.self_attn.forward = types.MethodType(attn_forward, layer.self_attn)
+            _patch_forward(layer.self_attn, attn_forward)
             patched.add("rope")
             counts["rope"] += 1
         if "attention" in kinds and "attention" not in patched:

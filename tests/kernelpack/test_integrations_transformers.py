@@ -157,3 +157,56 @@ def test_generate_drops_the_compiled_call_after_a_switch(serving: Serving) -> No
     assert not hasattr(model, "_compiled_call")  # dropped before the request under the new version
     assert torch_ops.last_served("swiglu") == "serve@0.2.0"
     assert torch.equal(first, again)  # the same kernels in both versions
+
+
+@torch.no_grad()
+def test_patched_static_cache_generate_matches_transformers(serving: Serving) -> None:
+    """Greedy generate with a static cache (the decode path of HF's compiled generate): the patched model
+    writes and reads the KV cache as transformers does (>= 5.24 passes it as ``cache``), same tokens."""
+    import copy
+
+    model = tiny_llama(torch.float32)
+    patched = copy.deepcopy(model)
+    kt.apply_kernels(patched)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5))
+    kw = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static", "pad_token_id": 0,
+          "output_logits": True, "return_dict_in_generate": True}
+    ref, out = model.generate(ids, **kw), patched.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+def _decode_step_guards(model: LlamaForCausalLM) -> int:
+    """How many guards dynamo checks before each call of the compiled decode step (static cache, batch 1)."""
+    from transformers import StaticCache
+
+    guards: list[object] = []
+
+    def keep_all(entries: list[object]) -> list[bool]:
+        guards.extend(entries)
+        return [True] * len(entries)
+
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    tok = torch.tensor([[3]])
+    torch._dynamo.reset()
+    step = torch.compile(model.__call__, backend="eager", options={"guard_filter_fn": keep_all})
+    with torch.no_grad():
+        model(input_ids=tok, past_key_values=cache, use_cache=True)
+        step(input_ids=tok, past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    return len(guards)
+
+
+def test_compiled_patched_model_checks_no_more_guards_than_transformers(serving: Serving) -> None:
+    """generate at batch 1 is bound by the host: dynamo evaluates every guard of the compiled forward before
+    each CUDA-graph replay. The patched model's decisions (eps, domains, policy) are made once at trace time
+    and its forwards come from the class, so it guards no more than transformers' own model (it skips the
+    post-attention norm's module call, so fewer)."""
+    import copy
+
+    model = tiny_llama(torch.float32)
+    patched = copy.deepcopy(model)
+    kt.apply_kernels(patched)
+    ours, theirs = _decode_step_guards(patched), _decode_step_guards(model)
+    assert ours <= theirs, f"patched model: {ours} guards per call, transformers' {theirs}"
