@@ -12,7 +12,8 @@ other models in the process are untouched):
   it); the KV cache and the attention interface then see what transformers' code would give them.
 * ``attention``: the model's attention implementation becomes ``"kernelctl"``, registered in transformers'
   ``AttentionInterface`` (masks as for SDPA): causal self-attention without a cache prefix (q_len == kv_len,
-  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA through
+  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn``; a decode step (one query
+  token over the KV cache, transformers' bool mask) runs ``kernelctl.decode_attn`` (GQA through
   ``repeat_kv``); everything else runs transformers' SDPA path.
 
 A call outside an op's domain (dtype, sizes, eps, activation) runs transformers' own code for that call; each
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +36,7 @@ from torch import nn
 
 from kernelpack import torch_ops
 from kernelpack.kernels import add_rmsnorm as _add_rmsnorm_mod
+from kernelpack.kernels import decode_attn as _decode_mod
 from kernelpack.kernels import flash_attn as _flash_mod
 from kernelpack.kernels import rope as _rope_mod
 from kernelpack.kernels import swiglu as _swiglu_mod
@@ -97,14 +100,14 @@ def _rmsnorm_reason(x: torch.Tensor, norm: nn.Module) -> str | None:
     return _dtype_reason(_add_rmsnorm_mod.DOMAIN, x.dtype)
 
 
-def _rmsnorm_call_reason(layer: nn.Module, x: torch.Tensor, norm: nn.Module) -> str | None:
-    return _rmsnorm_reason(x, norm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+def _rmsnorm_call_reason(layer: nn.Module, x: torch.Tensor) -> str | None:
+    return _rmsnorm_reason(x, layer.post_attention_layernorm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
 
 
 def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                  layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) through the fused op, or transformers' code outside its domain."""
-    why = _call_reason("rmsnorm", layer, x, norm)
+    why = _call_reason("rmsnorm", layer, x)
     if why is not None:
         _fallback("rmsnorm", why)
         h = residual + x
@@ -184,11 +187,11 @@ def _make_attention_forward(ml: types.ModuleType):
         why = _call_reason("rope", self, q, k, cos)
         if why is None:
             b, s = input_shape
-            qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], self.head_dim),
-                                              k.reshape(b * s, k.shape[-2], self.head_dim),
+            hd = q.shape[-1]
+            qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], hd), k.reshape(b * s, k.shape[-2], hd),
                                               _half_table(cos, b, s), _half_table(sin, b, s))
-            q = qo.view(b, s, -1, self.head_dim).transpose(1, 2)
-            k = ko.view(b, s, -1, self.head_dim).transpose(1, 2)
+            q = qo.view(b, s, -1, hd).transpose(1, 2)
+            k = ko.view(b, s, -1, hd).transpose(1, 2)
         else:
             _fallback("rope", why)
             q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -223,6 +226,25 @@ def _flash_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, att
     return _dtype_reason(_flash_mod.DOMAIN, query.dtype)
 
 
+def _decode_reason(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
+                   scaling: float | None) -> str | None:
+    """Why a decode step (one query token over the KV cache) runs SDPA instead of ``kernelctl.decode_attn``."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        return "decode without a bool attention mask"
+    b, hq, _, d = query.shape
+    if attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or attention_mask.shape[0] not in (1, b):
+        return f"decode mask of shape {tuple(attention_mask.shape)}"
+    if dropout:
+        return "attention dropout"
+    if d not in _decode_mod.HEAD_DIMS:
+        return f"head_dim {d} not in the decode kernel's {_decode_mod.HEAD_DIMS}"
+    if hq % key.shape[1] or hq // key.shape[1] > _decode_mod.MAX_GROUP:
+        return f"{hq} query heads over {key.shape[1]} kv heads"
+    if scaling is not None and abs(scaling - d**-0.5) > 1e-9:
+        return f"softmax scale {scaling} != 1/sqrt(head_dim)"
+    return _dtype_reason(_decode_mod.DOMAIN, query.dtype)
+
+
 def _attention_call_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
                            dropout: float, scaling: float | None) -> str | None:
     return _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
@@ -235,6 +257,16 @@ def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     """transformers attention interface: ``kernelctl.flash_attn`` where it applies, else SDPA."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if query.shape[2] == 1 and key.shape[2] > 1:  # a decode step over the KV cache
+        why = _call_reason("decode", module, query, key, attention_mask, dropout, scaling)
+        if why is None:
+            b, hq, _, d = query.shape
+            mask = attention_mask[:, 0, 0, :].expand(b, -1).contiguous()
+            o = torch.ops.kernelctl.decode_attn(query.reshape(b, hq, d), key.contiguous(), value.contiguous(), mask)
+            return o.view(b, 1, hq, d), None
+        _fallback("attention", why)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     why = _call_reason("attention", module, query, key, attention_mask, dropout, scaling)
     if why is not None:
         _fallback("attention", why)
@@ -247,19 +279,47 @@ def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
 
 # ------------------------------------------------------------------------------- decisions under torch.compile
+def _decode_call_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                        dropout: float, scaling: float | None) -> str | None:
+    return _decode_reason(query, key, attention_mask, dropout, scaling) or _policy_reason(
+        module, "attention", query.shape[0])
+
+
 _CALL_REASONS = {"rmsnorm": _rmsnorm_call_reason, "mlp": _mlp_call_reason, "rope": _rope_call_reason,
-                 "attention": _attention_call_reason}
-_TENSOR = "__kernelctl_tensor__"  # marks a tensor passed to _traced_reason as (marker, shape, dtype)
+                 "attention": _attention_call_reason, "decode": _decode_call_reason}
+_TENSOR, _MODULE = "__kernelctl_tensor__", "__kernelctl_module__"  # tensors and modules as constants
+_MODULES: list[weakref.ref[nn.Module]] = []  # patched modules by their _kernelctl_key
+
+
+def _register(module: nn.Module) -> None:
+    if "_kernelctl_key" not in module.__dict__:
+        module.__dict__["_kernelctl_key"] = len(_MODULES)
+        _MODULES.append(weakref.ref(module))
+
+
+def _as_constant(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (_TENSOR, tuple(a.shape), a.dtype)
+    if isinstance(a, nn.Module):
+        return (_MODULE, a._kernelctl_key)
+    return a
+
+
+def _from_constant(a: Any) -> Any:
+    if isinstance(a, tuple) and a[:1] == (_TENSOR,):
+        return torch.empty(a[1], dtype=a[2], device="meta")
+    if isinstance(a, tuple) and a[:1] == (_MODULE,):
+        return _MODULES[a[1]]()
+    return a
 
 
 @torch._dynamo.assume_constant_result
 def _traced_reason(kind: str, *args: Any) -> str | None:
     """The decision of one call site, made once per traced shape: dynamo runs this at trace time and installs
-    no guards on what it reads (modules' eps and policy, the kernels' domains). Those are fixed once
-    ``apply_kernels`` has run; a version switch drops the compiled call (see ``_follow_switches_in_generate``)."""
-    meta = (torch.empty(a[1], dtype=a[2], device="meta") if isinstance(a, tuple) and a[:1] == (_TENSOR,) else a
-            for a in args)
-    return _CALL_REASONS[kind](*meta)
+    no guards on what it reads (modules' eps and policy, the kernels' domains); its arguments are constants
+    (tensors as shape and dtype, modules as their registration key). Those are fixed once ``apply_kernels``
+    has run; a version switch drops the compiled call (see ``_follow_switches_in_generate``)."""
+    return _CALL_REASONS[kind](*(_from_constant(a) for a in args))
 
 
 def _call_reason(kind: str, *args: Any) -> str | None:
@@ -270,8 +330,7 @@ def _call_reason(kind: str, *args: Any) -> str | None:
     4-layer model (profiled on an H100, docs/gpu.md "generate")."""
     if not torch.compiler.is_compiling():
         return _CALL_REASONS[kind](*args)
-    return _traced_reason(kind, *((_TENSOR, tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                                  for a in args))
+    return _traced_reason(kind, *(_as_constant(a) for a in args))
 
 
 def register_attention() -> None:
@@ -362,6 +421,8 @@ def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
     for layer in _decoder_layers(model):
         for m in (layer, layer.mlp, layer.self_attn):
             m.__dict__["_kernelctl_policy"] = dict(policy or {})
+        for m in (layer, layer.mlp, layer.self_attn):
+            _register(m)
         patched: set[str] = layer.__dict__.setdefault("_kernelctl_kinds", set())
         if "rmsnorm" in kinds and "rmsnorm" not in patched:
             _patch_forward(layer, _decoder_layer_forward)

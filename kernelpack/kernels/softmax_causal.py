@@ -3,7 +3,8 @@
 Owns op ``softmax_causal``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
 ``y[b, i, j] = softmax_j(scale * s[b, i, j])`` over keys ``j <= i + (k - q)`` (bottom-right aligned causal
 mask, as with a KV cache; k >= q), and 0 for masked keys. The mask is computed from indices: no mask tensor,
-and masked scores are never read. ``scale`` is a 0-d float32 tensor input (no host sync). One row per
+and masked scores are not read (past the causal limit, at most the 7 of its 16-byte vector). ``scale``
+is a 0-d float32 tensor input (no host sync). One row per
 program, held in registers (k <= 16384). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
@@ -42,7 +43,12 @@ def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
     valid = (cols[None, :] <= limit[:, None]) & (cols[None, :] < n_k)
     offs = rows[:, None].to(tl.int64) * n_k + cols[None, :]
     scale = tl.load(scale_ptr)
-    x = tl.load(s_ptr + offs, mask=valid & rmask[:, None], other=0.0).to(tl.float32) * scale
+    # the load mask ends on a multiple of 8 elements, so it is uniform over each 16-byte vector and the loads
+    # stay vectorized (a mask ending at the causal limit itself made every load scalar); the up to 7 extra
+    # scores read are causally masked below
+    bound = (limit // 8 + 1) * 8
+    lmask = (cols[None, :] < bound[:, None]) & (cols[None, :] < n_k) & rmask[:, None]
+    x = tl.load(s_ptr + offs, mask=lmask, other=0.0).to(tl.float32) * scale
     x = tl.where(valid, x, float("-inf"))
     m = tl.max(x, axis=1)
     p = tl.exp(x - m[:, None])

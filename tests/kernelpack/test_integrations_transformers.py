@@ -61,13 +61,13 @@ def test_bf16_prefill_runs_flash_attention_and_decode_falls_back(serving: Servin
         assert serving.runtime.get_op(op, "serve").fallbacks == 0, op
     assert (out.logits.float() - ref).abs().max() < 0.05  # bf16 over two layers
     with caplog.at_level(logging.WARNING, logger="kernelpack.integrations.transformers"):
-        for _ in range(2):  # decode steps: q_len 1 against the cache -> SDPA, logged once
+        for _ in range(2):  # decode steps over a dynamic cache (no mask: decode_attn needs the cache's mask)
             nxt = out.logits[:, -1:].argmax(-1)
             out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
     reasons = [r for (kind, r) in kt.FALLBACKS if kind == "attention"]
-    assert len(reasons) == 1 and "q_len != kv_len" in reasons[0]
+    assert len(reasons) == 1 and "decode without a bool attention mask" in reasons[0]
     assert kt.FALLBACKS[("attention", reasons[0])] == 4  # 2 layers x 2 steps
-    assert caplog.text.count("q_len != kv_len") == 1
+    assert caplog.text.count("decode without a bool attention mask") == 1
 
 
 @torch.no_grad()
@@ -210,3 +210,24 @@ def test_compiled_patched_model_checks_no_more_guards_than_transformers(serving:
     kt.apply_kernels(patched)
     ours, theirs = _decode_step_guards(patched), _decode_step_guards(model)
     assert ours <= theirs, f"patched model: {ours} guards per call, transformers' {theirs}"
+
+
+@torch.no_grad()
+def test_static_cache_decode_runs_the_decode_attention_kernel(serving: Serving) -> None:
+    """A decode step over transformers' static cache (bool mask over the whole cache) runs
+    kernelctl.decode_attn; its logits stay within bf16 rounding of transformers' SDPA model."""
+    import copy
+
+    model = tiny_llama(torch.bfloat16, head_dim=64)
+    patched = copy.deepcopy(model)
+    kt.apply_kernels(patched, kinds=("attention",))
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(6))
+    kw = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static", "pad_token_id": 0,
+          "output_logits": True, "return_dict_in_generate": True}
+    kt.FALLBACKS.clear()
+    out = patched.generate(ids, **kw)
+    assert torch_ops.last_served("decode_attn") == "serve@0.1.0"
+    assert not [r for (k, r) in kt.FALLBACKS if k == "attention" and r.startswith("decode")]
+    ref = model.generate(ids, **kw)
+    first = (out.logits[0].float() - ref.logits[0].float()).abs().max()
+    assert first < 0.05, first  # same prompt, one decode step: bf16 rounding apart
