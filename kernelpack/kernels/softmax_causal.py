@@ -4,9 +4,8 @@ Owns op ``softmax_causal``: Triton kernel, float64 reference, eager PyTorch vers
 ``y[b, i, j] = softmax_j(scale * s[b, i, j])`` over keys ``j <= i + (k - q)`` (bottom-right aligned causal
 mask, as with a KV cache; k >= q), and 0 for masked keys. The mask is computed from indices: no mask tensor,
 and masked scores are not read (past the causal limit, at most the 7 of its 16-byte vector). ``scale``
-is a 0-d float32 tensor input (no host sync). A row is held in
-registers (k <= 16384); a persistent grid of PROGRAMS_PER_SM programs per multiprocessor walks the rows with
-the next rows' loads in flight. Imports only torch, triton and ``kernelpack.kernels.spec``.
+is a 0-d float32 tensor input (no host sync). One row per
+program, held in registers (k <= 16384). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations
@@ -21,12 +20,9 @@ import triton.language as tl
 import kernelpack.kernels.spec as spec
 
 NAME = "softmax_causal"
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "PROGRAMS_PER_SM": 4, "num_warps": 8, "num_stages": 1}
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "num_warps": 8, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
-TUNING_SPACE: list[dict[str, int]] = [
-    {"BLOCK_M": m, "PROGRAMS_PER_SM": p, "num_warps": w, "num_stages": s}
-    for m, p, w, s in ((1, 4, 8, 1), (1, 2, 8, 2), (1, 8, 4, 2), (1, 2, 16, 2), (1, 4, 4, 2), (2, 2, 8, 2),
-                       (1, 1024, 8, 1), (1, 1024, 4, 1), (1, 1, 16, 1))]
+TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
 
 
 DOMAIN = spec.Domain(
@@ -38,52 +34,26 @@ DOMAIN = spec.Domain(
 
 
 @triton.jit
-def _load_rows(s_ptr, row0, n_rows, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows row0.. of the scores up to their causal limit (raw dtype). The load mask ends on a multiple of 8
-    elements, so it is uniform over each 16-byte vector and the loads stay vectorized (a mask ending at the
-    causal limit itself made every load scalar); the up to 7 extra scores read are masked in _finish_rows."""
-    rows = row0 + tl.arange(0, BLOCK_M)
+def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    bound = ((rows % n_q + (n_k - n_q)) // 8 + 1) * 8
-    lmask = (cols[None, :] < bound[:, None]) & (cols[None, :] < n_k) & (rows < n_rows)[:, None]
-    return tl.load(s_ptr + rows[:, None].to(tl.int64) * n_k + cols[None, :], mask=lmask, other=0.0)
-
-
-@triton.jit
-def _finish_rows(x, scale, y_ptr, row0, n_rows, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
     limit = rows % n_q + (n_k - n_q)
     valid = (cols[None, :] <= limit[:, None]) & (cols[None, :] < n_k)
-    x = tl.where(valid, x.to(tl.float32) * scale, float("-inf"))
+    offs = rows[:, None].to(tl.int64) * n_k + cols[None, :]
+    scale = tl.load(scale_ptr)
+    # the load mask ends on a multiple of 8 elements, so it is uniform over each 16-byte vector and the loads
+    # stay vectorized (a mask ending at the causal limit itself made every load scalar); the up to 7 extra
+    # scores read are causally masked below
+    bound = (limit // 8 + 1) * 8
+    lmask = (cols[None, :] < bound[:, None]) & (cols[None, :] < n_k) & rmask[:, None]
+    x = tl.load(s_ptr + offs, mask=lmask, other=0.0).to(tl.float32) * scale
+    x = tl.where(valid, x, float("-inf"))
     m = tl.max(x, axis=1)
     p = tl.exp(x - m[:, None])
     y = p / tl.sum(p, axis=1)[:, None]
-    offs = rows[:, None].to(tl.int64) * n_k + cols[None, :]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols[None, :] < n_k))
-
-
-@triton.jit
-def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A persistent grid: program p takes row blocks p, p + grid, ... (long and short causal rows interleave)
-    and issues the loads of its next rows before it reduces and stores the current ones (double buffering in
-    registers: a row's load latency overlaps the previous row's work)."""
-    step = tl.num_programs(0) * BLOCK_M
-    scale = tl.load(scale_ptr)
-    row0 = tl.program_id(0) * BLOCK_M
-    x = _load_rows(s_ptr, row0, n_rows, n_q, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    if INTERPRETED:
-        while row0 < n_rows:
-            nxt = _load_rows(s_ptr, row0 + step, n_rows, n_q, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-            _finish_rows(x, scale, y_ptr, row0, n_rows, n_q, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-            x = nxt
-            row0 += step
-    else:
-        for r in range(row0, n_rows, step):
-            nxt = _load_rows(s_ptr, r + step, n_rows, n_q, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-            _finish_rows(x, scale, y_ptr, r, n_rows, n_q, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-            x = nxt
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < n_k))
 
 
 _config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
@@ -124,15 +94,10 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
     spec.check_outputs(NAME, outs, s)
     bh, q, k = s.shape
     bm = min(cfg["BLOCK_M"], triton.next_power_of_2(bh * q))  # BLOCK_M is an upper bound
-    grid = min(triton.cdiv(bh * q, bm), cfg["PROGRAMS_PER_SM"] * _sm_count(s.device))
-    _softmax_causal_fwd[(grid,)](
-        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=_block_n(k), INTERPRETED=s.device.type == "cpu",
+    _softmax_causal_fwd[(triton.cdiv(bh * q, bm),)](
+        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=_block_n(k),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def _mask(q: int, k: int, device: torch.device) -> torch.Tensor:
@@ -172,10 +137,10 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
     sig = {"s_ptr": p, "scale_ptr": "*fp32", "y_ptr": p, "n_rows": "i32", "n_q": "i32", "n_k": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     rng = DOMAIN.dims["k"]
     blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << j for j in range(4, 15)), rng.hi) if rng.lo <= v <= rng.hi})
-    return [spec.AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b, "INTERPRETED": False},
+    return [spec.AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
 
 
