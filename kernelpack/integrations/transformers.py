@@ -12,9 +12,10 @@ other models in the process are untouched):
   it); the KV cache and the attention interface then see what transformers' code would give them.
 * ``attention``: the model's attention implementation becomes ``"kernelctl"``, registered in transformers'
   ``AttentionInterface`` (masks as for SDPA): causal self-attention without a cache prefix (q_len == kv_len,
-  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn``; a decode step (one query
-  token over the KV cache, transformers' bool mask) runs ``kernelctl.decode_attn`` (GQA through
-  ``repeat_kv``); everything else runs transformers' SDPA path.
+  no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA through
+  ``repeat_kv``); a decode step (one query token over the KV cache with transformers' bool mask, as its static
+  cache gives it) runs ``kernelctl.decode_attn`` (GQA in the kernel); everything else runs transformers' SDPA
+  path.
 
 A call outside an op's domain (dtype, sizes, eps, activation) runs transformers' own code for that call; each
 reason is logged once (logger ``kernelpack.integrations.transformers``) and counted in :data:`FALLBACKS`.
@@ -292,7 +293,8 @@ _MODULES: list[weakref.ref[nn.Module]] = []  # patched modules by their _kernelc
 
 
 def _register(module: nn.Module) -> None:
-    if "_kernelctl_key" not in module.__dict__:
+    key = module.__dict__.get("_kernelctl_key")
+    if key is None or _MODULES[key]() is not module:  # new, or a deep copy carrying its original's key
         module.__dict__["_kernelctl_key"] = len(_MODULES)
         _MODULES.append(weakref.ref(module))
 
@@ -309,7 +311,11 @@ def _from_constant(a: Any) -> Any:
     if isinstance(a, tuple) and a[:1] == (_TENSOR,):
         return torch.empty(a[1], dtype=a[2], device="meta")
     if isinstance(a, tuple) and a[:1] == (_MODULE,):
-        return _MODULES[a[1]]()
+        module = _MODULES[a[1]]()
+        if module is None:
+            raise RuntimeError("a patched module was garbage-collected while a copy of it is compiled: call "
+                               "apply_kernels on the copied model before compiling it")
+        return module
     return a
 
 
@@ -421,7 +427,6 @@ def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
     for layer in _decoder_layers(model):
         for m in (layer, layer.mlp, layer.self_attn):
             m.__dict__["_kernelctl_policy"] = dict(policy or {})
-        for m in (layer, layer.mlp, layer.self_attn):
             _register(m)
         patched: set[str] = layer.__dict__.setdefault("_kernelctl_kinds", set())
         if "rmsnorm" in kinds and "rmsnorm" not in patched:

@@ -199,6 +199,19 @@ def make_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device, gen
     }
 
 
+def edge_inputs(shape: spec.Shape, dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> list[tuple[str, spec.Inputs]]:
+    """Masks at the edges of a static cache: only the first key written, only the last (one unmasked key in
+    one split, every other split empty)."""
+    inputs = make_inputs(shape, dtype, device, gen)
+    out = []
+    for case, col in (("only_first_key", 0), ("only_last_key", shape["cache_len"] - 1)):
+        mask = torch.zeros_like(inputs["mask"])
+        mask[:, col] = True
+        out.append((case, {**inputs, "mask": mask}))
+    return out
+
+
 def alloc_outputs(inputs: spec.Inputs) -> spec.Outputs:
     return (torch.empty_like(inputs["q"]),)
 
@@ -301,6 +314,7 @@ OP = spec.module_op(
     description="decode attention of one query token over a masked KV cache (split-K, GQA), head_dim 64/128",
     tolerances={"fp16": spec.Tolerance(4e-3, 4e-3), "bf16": spec.Tolerance(2e-2, 2e-2)},
     launches_per_call=2,
+    edge_inputs=edge_inputs,
     test_shapes=({"batch": 2, "q_heads": 4, "kv_heads": 2, "cache_len": 37, "head_dim": 64},
                  {"batch": 1, "q_heads": 2, "kv_heads": 1, "cache_len": 200, "head_dim": 128}),
     decode_shapes=tuple({"batch": b, "q_heads": 32, "kv_heads": 8, "cache_len": n, "head_dim": 128}
