@@ -300,9 +300,10 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
 
 DOMAIN = spec.Domain(
     dtypes=("fp16", "bf16"),
-    dims={"batch": spec.DimRange(1, 4096), "q_heads": spec.DimRange(1, 256), "kv_heads": spec.DimRange(1, 256),
+    # batch: the sequences of one decode step (its tokens per call); a prefill-sized "batch" is no decode step
+    dims={"batch": spec.DimRange(1, 256), "q_heads": spec.DimRange(1, 256), "kv_heads": spec.DimRange(1, 256),
           "cache_len": spec.DimRange(1, 1 << 20), "head_dim": spec.DimRange(64, 128, 64)},
-    notes="q (batch, q_heads, head_dim), k/v (batch, kv_heads, cache_len, head_dim), mask (batch, cache_len) "
+    notes="one decode step of at most 256 sequences: q (batch, q_heads, head_dim), k/v (batch, kv_heads, cache_len, head_dim), mask (batch, cache_len) "
     "bool, contiguous, one dtype (fp16/bf16); q_heads a multiple of kv_heads, at most 16 query heads per kv "
     "head; head_dim 64 or 128; scale 1/sqrt(head_dim); at least one unmasked key per sequence; "
     "|q|, |k|, |v| <= 1e18 so that every score fits in float32.",
