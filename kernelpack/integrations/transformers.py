@@ -233,6 +233,8 @@ def _decode_reason(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, 
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
         return "decode without a bool attention mask"
     b, hq, _, d = query.shape
+    if not _decode_mod.DOMAIN.dims["batch"].contains(b):
+        return f"decode batch {b} outside the decode kernel's domain"
     if attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or attention_mask.shape[0] not in (1, b):
         return f"decode mask of shape {tuple(attention_mask.shape)}"
     if dropout:
