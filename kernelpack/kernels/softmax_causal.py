@@ -22,12 +22,15 @@ import kernelpack.kernels.spec as spec
 NAME = "softmax_causal"
 # CHUNK 1: a row held in registers (one pass); CHUNK > 1: the row streamed in CHUNK-wide pieces, two passes
 # (running max and sum, then normalise and store; the second read of a row mostly hits L2), small programs
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "CHUNK": 1, "num_warps": 8, "num_stages": 1}
+# WIDE_WARPS: num_warps for register-resident rows wider than WIDE (8192) columns
+WIDE = 8192
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "CHUNK": 1, "WIDE_WARPS": 8, "num_warps": 8, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = (
-    [{"BLOCK_M": m, "CHUNK": 1, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
-    + [{"BLOCK_M": 1, "CHUNK": c, "num_warps": w, "num_stages": 1} for c, w in ((1024, 4), (2048, 4), (2048, 8),
-                                                                                  (4096, 8))])
+    [{"BLOCK_M": m, "CHUNK": 1, "WIDE_WARPS": w, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
+    + [{"BLOCK_M": 1, "CHUNK": 1, "WIDE_WARPS": 16, "num_warps": 4, "num_stages": 1}]
+    + [{"BLOCK_M": 1, "CHUNK": c, "WIDE_WARPS": w, "num_warps": w, "num_stages": 1}
+       for c, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))])
 
 
 DOMAIN = spec.Domain(
@@ -151,9 +154,10 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
                                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     bm = min(cfg["BLOCK_M"], triton.next_power_of_2(bh * q))  # BLOCK_M is an upper bound
+    bn = _block_n(k)
     _softmax_causal_fwd[(triton.cdiv(bh * q, bm),)](
-        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=_block_n(k),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=cfg["WIDE_WARPS"] if bn > WIDE else cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -204,7 +208,8 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     rng = DOMAIN.dims["k"]
     blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << j for j in range(4, 15)), rng.hi) if rng.lo <= v <= rng.hi})
     return [spec.AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
+                    num_warps=cfg["WIDE_WARPS"] if b > WIDE else cfg["num_warps"], num_stages=cfg["num_stages"])
+            for b in blocks]
 
 
 OP = spec.module_op(
