@@ -13,7 +13,9 @@ other models in the process are untouched):
 * ``attention``: the model's attention implementation becomes ``"kernelctl"``, registered in transformers'
   ``AttentionInterface`` (masks as for SDPA): causal self-attention without a cache prefix (q_len == kv_len,
   no padding mask) in fp16/bf16 with head_dim 64/128 runs ``kernelctl.flash_attn`` (GQA in the kernel: k and v
-  keep their kv heads); everything else runs transformers' SDPA path.
+  keep their kv heads); a decode step (one query token over the KV cache with transformers' bool mask, as its
+  static cache gives it) runs ``kernelctl.decode_attn`` (GQA in the kernel); everything else runs transformers'
+  SDPA path.
 
 A call outside an op's domain (dtype, sizes, eps, activation) runs transformers' own code for that call; each
 reason is logged once (logger ``kernelpack.integrations.transformers``) and counted in :data:`FALLBACKS`.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import types
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,6 +38,7 @@ from torch import nn
 
 from kernelpack import torch_ops
 from kernelpack.kernels import add_rmsnorm as _add_rmsnorm_mod
+from kernelpack.kernels import decode_attn as _decode_mod
 from kernelpack.kernels import flash_attn as _flash_mod
 from kernelpack.kernels import rope as _rope_mod
 from kernelpack.kernels import swiglu as _swiglu_mod
@@ -66,15 +70,17 @@ def _fallback(kind: str, reason: str) -> None:
         log.warning("kernelctl %s: running transformers' code: %s", kind, reason)
 
 
-def _policy_reason(module: nn.Module, kind: str, tokens: int) -> str | None:
+def _policy_reason(module: nn.Module, kind: str, tokens: int, op: str | None = None) -> str | None:
     """Why a call of ``tokens`` tokens runs transformers' code by policy: outside the window ``apply_kernels``
-    was given for ``kind``, or else outside the windows where the serving bundle says its kernel wins on this
-    arch (its manifest's ``wins`` table; none shipped for the arch: the kernel runs)."""
+    was given for ``kind``, or else outside the windows where the serving bundle says its kernel (``op``,
+    default the kind's) wins on this arch (its manifest's ``wins`` table; none shipped for the arch: the kernel
+    runs)."""
+    op = op or KIND_OPS[kind]
     window = module.__dict__.get("_kernelctl_policy", {}).get(kind)
     if window is None:
-        if torch_ops.kernel_wins(KIND_OPS[kind], tokens):
+        if torch_ops.kernel_wins(op, tokens):
             return None
-        return f"policy: the serving bundle measured {KIND_OPS[kind]} slower than the baseline at this call's size"
+        return f"policy: the serving bundle measured {op} slower than the baseline at this call's size"
     lo, hi = window
     if tokens < lo or (hi is not None and tokens > hi):
         return f"policy: calls outside [{lo}, {hi if hi is not None else 'inf'}] tokens run transformers' code"
@@ -99,10 +105,14 @@ def _rmsnorm_reason(x: torch.Tensor, norm: nn.Module) -> str | None:
     return _dtype_reason(_add_rmsnorm_mod.DOMAIN, x.dtype)
 
 
+def _rmsnorm_call_reason(layer: nn.Module, x: torch.Tensor) -> str | None:
+    return _rmsnorm_reason(x, layer.post_attention_layernorm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+
+
 def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                  layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) through the fused op, or transformers' code outside its domain."""
-    why = _rmsnorm_reason(x, norm) or _policy_reason(layer, "rmsnorm", x.numel() // x.shape[-1])
+    why = _call_reason("rmsnorm", layer, x)
     if why is not None:
         _fallback("rmsnorm", why)
         h = residual + x
@@ -132,13 +142,18 @@ def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, attenti
 
 
 # ---------------------------------------------------------------------------------------------------- SwiGLU
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
+def _mlp_call_reason(mlp: nn.Module, gate: torch.Tensor) -> str | None:
     inter = gate.shape[-1]
     why = _dtype_reason(_swiglu_mod.DOMAIN, gate.dtype)
     if why is None and not _swiglu_mod.DOMAIN.dims["hidden"].contains(inter):
         why = f"intermediate size {inter} outside the kernel's domain"
-    why = why or _policy_reason(self, "mlp", gate.numel() // inter)
+    return why or _policy_reason(mlp, "mlp", gate.numel() // inter)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    inter = gate.shape[-1]
+    why = _call_reason("mlp", self, gate)
     if why is not None:
         _fallback("mlp", why)
         return self.down_proj(self.act_fn(gate) * up)
@@ -157,6 +172,10 @@ def _rope_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, head_dim: 
             and dims["kv_heads"].contains(k.shape[-2])):
         return f"heads {q.shape[-2]}/{k.shape[-2]} x head_dim {head_dim} outside the kernel's domain"
     return _dtype_reason(_rope_mod.DOMAIN, q.dtype)
+
+
+def _rope_call_reason(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> str | None:
+    return _rope_reason(q, k, cos, attn.head_dim) or _policy_reason(attn, "rope", q.shape[0] * q.shape[1])
 
 
 def _half_table(t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
@@ -180,15 +199,14 @@ def _make_attention_forward(ml: types.ModuleType):
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        why = _rope_reason(q, k, cos, self.head_dim) or _policy_reason(
-            self, "rope", input_shape[0] * input_shape[1])
+        why = _call_reason("rope", self, q, k, cos)
         if why is None:
             b, s = input_shape
-            qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], self.head_dim),
-                                              k.reshape(b * s, k.shape[-2], self.head_dim),
+            hd = q.shape[-1]
+            qo, ko = torch.ops.kernelctl.rope(q.reshape(b * s, q.shape[-2], hd), k.reshape(b * s, k.shape[-2], hd),
                                               _half_table(cos, b, s), _half_table(sin, b, s))
-            q = qo.view(b, s, -1, self.head_dim).transpose(1, 2)
-            k = ko.view(b, s, -1, self.head_dim).transpose(1, 2)
+            q = qo.view(b, s, -1, hd).transpose(1, 2)
+            k = ko.view(b, s, -1, hd).transpose(1, 2)
         else:
             _fallback("rope", why)
             q, k = ml.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -226,20 +244,116 @@ def _flash_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, att
     return _dtype_reason(_flash_mod.DOMAIN, query.dtype)
 
 
+def _decode_reason(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
+                   scaling: float | None) -> str | None:
+    """Why a decode step (one query token over the KV cache) runs SDPA instead of ``kernelctl.decode_attn``."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        return "decode without a bool attention mask"
+    b, hq, _, d = query.shape
+    if not _decode_mod.DOMAIN.dims["batch"].contains(b):
+        return f"decode batch {b} outside the decode kernel's domain"
+    if attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or attention_mask.shape[0] not in (1, b):
+        return f"decode mask of shape {tuple(attention_mask.shape)}"
+    if dropout:
+        return "attention dropout"
+    if d not in _decode_mod.HEAD_DIMS:
+        return f"head_dim {d} not in the decode kernel's {_decode_mod.HEAD_DIMS}"
+    if hq % key.shape[1] or hq // key.shape[1] > _decode_mod.MAX_GROUP:
+        return f"{hq} query heads over {key.shape[1]} kv heads"
+    if scaling is not None and abs(scaling - d**-0.5) > 1e-9:
+        return f"softmax scale {scaling} != 1/sqrt(head_dim)"
+    return _dtype_reason(_decode_mod.DOMAIN, query.dtype)
+
+
+def _attention_call_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                           dropout: float, scaling: float | None) -> str | None:
+    return _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
+        module, "attention", query.shape[0] * query.shape[2])
+
+
 def kernelctl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``kernelctl.flash_attn`` where it applies, else SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    why = _flash_reason(module, query, key, attention_mask, dropout, scaling) or _policy_reason(
-        module, "attention", query.shape[0] * query.shape[2])
+    if query.shape[2] == 1 and key.shape[2] > 1:  # a decode step over the KV cache
+        why = _call_reason("decode", module, query, key, attention_mask, dropout, scaling)
+        if why is None:
+            b, hq, _, d = query.shape
+            mask = attention_mask[:, 0, 0, :].expand(b, -1).contiguous()
+            o = torch.ops.kernelctl.decode_attn(query.reshape(b, hq, d), key.contiguous(), value.contiguous(), mask)
+            return o.view(b, 1, hq, d), None
+        _fallback("attention", why)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    why = _call_reason("attention", module, query, key, attention_mask, dropout, scaling)
     if why is not None:
         _fallback("attention", why)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     o = torch.ops.kernelctl.flash_attn(query.contiguous(), key.contiguous(), value.contiguous())  # GQA in-kernel
     return o.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------- decisions under torch.compile
+def _decode_call_reason(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                        dropout: float, scaling: float | None) -> str | None:
+    return _decode_reason(query, key, attention_mask, dropout, scaling) or _policy_reason(
+        module, "attention", query.shape[0], op="decode_attn")
+
+
+_CALL_REASONS = {"rmsnorm": _rmsnorm_call_reason, "mlp": _mlp_call_reason, "rope": _rope_call_reason,
+                 "attention": _attention_call_reason, "decode": _decode_call_reason}
+_TENSOR, _MODULE = "__kernelctl_tensor__", "__kernelctl_module__"  # tensors and modules as constants
+_MODULES: list[weakref.ref[nn.Module]] = []  # patched modules by their _kernelctl_key
+
+
+def _register(module: nn.Module) -> None:
+    key = module.__dict__.get("_kernelctl_key")
+    if key is None or _MODULES[key]() is not module:  # new, or a deep copy carrying its original's key
+        module.__dict__["_kernelctl_key"] = len(_MODULES)
+        _MODULES.append(weakref.ref(module))
+
+
+def _as_constant(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (_TENSOR, tuple(a.shape), a.dtype)
+    if isinstance(a, nn.Module):
+        return (_MODULE, a._kernelctl_key)
+    return a
+
+
+def _from_constant(a: Any) -> Any:
+    if isinstance(a, tuple) and a[:1] == (_TENSOR,):
+        return torch.empty(a[1], dtype=a[2], device="meta")
+    if isinstance(a, tuple) and a[:1] == (_MODULE,):
+        module = _MODULES[a[1]]()
+        if module is None:
+            raise RuntimeError("a patched module was garbage-collected while a copy of it is compiled: call "
+                               "apply_kernels on the copied model before compiling it")
+        return module
+    return a
+
+
+@torch._dynamo.assume_constant_result
+def _traced_reason(kind: str, *args: Any) -> str | None:
+    """The decision of one call site, made once per traced shape: dynamo runs this at trace time and installs
+    no guards on what it reads (modules' eps and policy, the kernels' domains); its arguments are constants
+    (tensors as shape and dtype, modules as their registration key). Those are fixed once ``apply_kernels``
+    has run; a version switch drops the compiled call (see ``_follow_switches_in_generate``)."""
+    return _CALL_REASONS[kind](*(_from_constant(a) for a in args))
+
+
+def _call_reason(kind: str, *args: Any) -> str | None:
+    """Why this call runs transformers' code (None: the kernel). Eagerly, per call. Under ``torch.compile``
+    through :func:`_traced_reason`, so the compiled model checks no more per step than transformers' own:
+    ``generate`` at batch 1 is bound by the host (dynamo's guards and the CUDA graph launch), and the
+    per-call-site reads of module attributes and domain tables cost ~60 us of guards per token in a
+    4-layer model (profiled on an H100, docs/gpu.md "generate")."""
+    if not torch.compiler.is_compiling():
+        return _CALL_REASONS[kind](*args)
+    return _traced_reason(kind, *(_as_constant(a) for a in args))
 
 
 def register_attention() -> None:
@@ -277,6 +391,24 @@ def _follow_switches_in_generate(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- entry
+_PATCHED_CLASSES: dict[tuple[type, Any], type] = {}
+
+
+def _patch_forward(module: nn.Module, forward: Any) -> None:
+    """Give this instance ``forward`` through a subclass of its class (one per class and forward, shared by the
+    layers), not an instance attribute: a per-instance bound method costs dynamo guards on every call of the
+    compiled model (the method's type, its function and closure, per module), the subclass none beyond the
+    class check it makes anyway. Other instances of the class are untouched."""
+    cls = type(module)
+    key = (cls, forward)
+    sub = _PATCHED_CLASSES.get(key)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "__qualname__": f"{cls.__qualname__}[kernelctl]"})
+        _PATCHED_CLASSES[key] = sub
+    module.__class__ = sub
+
+
 def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
     for m in model.modules():
         if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
@@ -314,22 +446,23 @@ def apply_kernels(model: nn.Module, kinds: Iterable[str] = KINDS,
     for layer in _decoder_layers(model):
         for m in (layer, layer.mlp, layer.self_attn):
             m.__dict__["_kernelctl_policy"] = dict(policy or {})
+            _register(m)
         patched: set[str] = layer.__dict__.setdefault("_kernelctl_kinds", set())
         if "rmsnorm" in kinds and "rmsnorm" not in patched:
-            layer.forward = types.MethodType(_decoder_layer_forward, layer)
+            _patch_forward(layer, _decoder_layer_forward)
             patched.add("rmsnorm")
             counts["rmsnorm"] += 1
         mlp = layer.mlp
         if "mlp" in kinds and "mlp" not in patched:
             if getattr(config, "hidden_act", None) == "silu" and all(
                     hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
-                mlp.forward = types.MethodType(_mlp_forward, mlp)
+                _patch_forward(mlp, _mlp_forward)
                 patched.add("mlp")
                 counts["mlp"] += 1
             else:
                 _fallback("mlp", f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU (SwiGLU)")
         if "rope" in kinds and "rope" not in patched:
-            layer.self_attn.forward = types.MethodType(attn_forward, layer.self_attn)
+            _patch_forward(layer.self_attn, attn_forward)
             patched.add("rope")
             counts["rope"] += 1
         if "attention" in kinds and "attention" not in patched:

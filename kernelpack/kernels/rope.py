@@ -4,8 +4,10 @@ Owns op ``rope``: Triton kernel, float64 reference, eager PyTorch version, domai
 Inputs: q (tokens, q_heads, head_dim), k (tokens, kv_heads, head_dim), and per-token tables cos, sin of shape
 (tokens, head_dim // 2) in the input dtype, already gathered at each token's position (callers index their
 cos/sin cache by position ids first). With x = [x1, x2] split in halves:
-``out = [x1*cos - x2*sin, x2*cos + x1*sin]``. Out-of-place: returns (q_out, k_out). Each program rotates
-BLOCK_T tokens x BLOCK_H heads of both q and k, loading cos/sin once per token. Imports only torch, triton and ``kernelpack.kernels.spec``.
+``out = [x1*cos - x2*sin, x2*cos + x1*sin]``. Out-of-place: returns (q_out, k_out). q and k are seen as rows
+of head_dim (token * heads + head); each program rotates BLOCK_R consecutive rows of q or of k (one
+contiguous span of memory; the first programs q, the rest k, one launch), reading each row's cos/sin row of
+its token (cached: consecutive rows share a token). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations
@@ -20,37 +22,40 @@ import triton.language as tl
 import kernelpack.kernels.spec as spec
 
 NAME = "rope"
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_T": 1, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1}
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_R": 32, "num_warps": 4, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
-TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_T": t, "BLOCK_H": h, "num_warps": w, "num_stages": 1} for t, h, w in ((1, 16, 4), (1, 32, 4), (1, 32, 8), (2, 32, 4), (4, 16, 4), (1, 8, 2), (1, 32, 2), (2, 16, 4))]
+TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_R": r, "num_warps": w, "num_stages": 1}
+                                     for r, w in ((32, 4), (16, 4), (64, 4), (64, 8), (16, 2), (32, 8), (128, 8))]
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, row, off, m, c, s, half, n_heads):
-    """One token's heads of q or k, rotate-half form: ``o = x * cos + rotate_half(x) * sin`` (fp32 math)."""
-    xp = x_ptr + row * n_heads + off
-    op = o_ptr + row * n_heads + off
-    x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xp + half, mask=m, other=0.0).to(tl.float32)
-    tl.store(op, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
-    tl.store(op + half, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _rope_fwd(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_tokens, n_qh, n_kh, half,
-              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF_P2: tl.constexpr):
+def _rotate_rows(x_ptr, o_ptr, cos_ptr, sin_ptr, row0, n_rows, n_heads, half,
+                 BLOCK_R: tl.constexpr, HALF_P2: tl.constexpr):
+    """Rows row0.. of x (tokens * heads, 2 * half), rotate-half form: ``o = x * cos + rotate_half(x) * sin``
+    (fp32 math), with the cos/sin row of each row's token."""
+    r = row0 + tl.arange(0, BLOCK_R)
     d = tl.arange(0, HALF_P2)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    for i in range(BLOCK_T):
-        t = tl.program_id(0) * BLOCK_T + i
-        tmask = t < n_tokens
-        dm = d < half
-        c = tl.load(cos_ptr + t.to(tl.int64) * half + d, mask=tmask & dm, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + t.to(tl.int64) * half + d, mask=tmask & dm, other=0.0).to(tl.float32)[None, :]
-        row = t.to(tl.int64) * (2 * half)  # int64 token base, int32 offsets inside the token
-        off = h[:, None] * (2 * half) + d[None, :]
-        _rotate_heads(q_ptr, qo_ptr, row, off, tmask & (h[:, None] < n_qh) & dm[None, :], c, s, half, n_qh)
-        _rotate_heads(k_ptr, ko_ptr, row, off, tmask & (h[:, None] < n_kh) & dm[None, :], c, s, half, n_kh)
+    m = (r < n_rows)[:, None] & (d < half)[None, :]
+    tab = (r // n_heads).to(tl.int64)[:, None] * half + d[None, :]
+    c = tl.load(cos_ptr + tab, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=m, other=0.0).to(tl.float32)
+    offs = r.to(tl.int64)[:, None] * (2 * half) + d[None, :]
+    x1 = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + offs, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(o_ptr + offs + half, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_fwd(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_tokens, n_qh, n_kh, half, q_programs,
+              BLOCK_R: tl.constexpr, HALF_P2: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _rotate_rows(q_ptr, qo_ptr, cos_ptr, sin_ptr, pid * BLOCK_R, n_tokens * n_qh, n_qh, half,
+                     BLOCK_R=BLOCK_R, HALF_P2=HALF_P2)
+    else:
+        _rotate_rows(k_ptr, ko_ptr, cos_ptr, sin_ptr, (pid - q_programs) * BLOCK_R, n_tokens * n_kh, n_kh, half,
+                     BLOCK_R=BLOCK_R, HALF_P2=HALF_P2)
 
 
 _config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
@@ -127,12 +132,11 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
         if o.shape != x.shape or o.dtype != x.dtype or not o.is_contiguous():
             raise ValueError(f"{NAME}: outputs must be contiguous {x.dtype} tensors shaped like q and k")
     t, hq, d = q.shape
-    bt = min(cfg["BLOCK_T"], triton.next_power_of_2(t))  # BLOCK_T / BLOCK_H are upper bounds
-    bh = min(cfg["BLOCK_H"], triton.next_power_of_2(max(hq, k.shape[1])))
-    grid = (triton.cdiv(t, bt), triton.cdiv(max(hq, k.shape[1]), bh))
-    _rope_fwd[grid](
-        q, k, c, s, qo, ko, t, hq, k.shape[1], d // 2,
-        BLOCK_T=bt, BLOCK_H=bh, HALF_P2=triton.next_power_of_2(d // 2),
+    br = cfg["BLOCK_R"]
+    q_programs = triton.cdiv(t * hq, br)
+    _rope_fwd[(q_programs + triton.cdiv(t * k.shape[1], br),)](
+        q, k, c, s, qo, ko, t, hq, k.shape[1], d // 2, q_programs,
+        BLOCK_R=br, HALF_P2=triton.next_power_of_2(d // 2),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -174,11 +178,11 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
     sig = {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p, "qo_ptr": p, "ko_ptr": p, "n_tokens": "i32",
-           "n_qh": "i32", "n_kh": "i32", "half": "i32",
-           "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "HALF_P2": "constexpr"}
+           "n_qh": "i32", "n_kh": "i32", "half": "i32", "q_programs": "i32",
+           "BLOCK_R": "constexpr", "HALF_P2": "constexpr"}
     rng = DOMAIN.dims["head_dim"]
     halves = sorted({triton.next_power_of_2(v // 2) for v in range(rng.lo, rng.hi + 1, rng.multiple_of)})
-    return [spec.AotSpec(_rope_fwd, sig, {"BLOCK_T": cfg["BLOCK_T"], "BLOCK_H": cfg["BLOCK_H"], "HALF_P2": h},
+    return [spec.AotSpec(_rope_fwd, sig, {"BLOCK_R": cfg["BLOCK_R"], "HALF_P2": h},
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for h in halves]
 
 

@@ -3,7 +3,8 @@
 Owns op ``softmax_causal``: Triton kernel, float64 reference, eager PyTorch version, domain and tolerances.
 ``y[b, i, j] = softmax_j(scale * s[b, i, j])`` over keys ``j <= i + (k - q)`` (bottom-right aligned causal
 mask, as with a KV cache; k >= q), and 0 for masked keys. The mask is computed from indices: no mask tensor,
-and masked scores are never read. ``scale`` is a 0-d float32 tensor input (no host sync). One row per
+and masked scores are not read (past the causal limit, at most the 7 of its 16-byte vector). ``scale``
+is a 0-d float32 tensor input (no host sync). One row per
 program, held in registers (k <= 16384). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
@@ -19,9 +20,17 @@ import triton.language as tl
 import kernelpack.kernels.spec as spec
 
 NAME = "softmax_causal"
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "num_warps": 8, "num_stages": 1}
+# CHUNK 1: a row held in registers (one pass); CHUNK > 1: the row streamed in CHUNK-wide pieces, two passes
+# (running max and sum, then normalise and store; the second read of a row mostly hits L2), small programs
+# WIDE_WARPS: num_warps for register-resident rows wider than WIDE (8192) columns
+WIDE = 8192
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 1, "CHUNK": 1, "WIDE_WARPS": 8, "num_warps": 8, "num_stages": 1}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
-TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
+TUNING_SPACE: list[dict[str, int]] = (
+    [{"BLOCK_M": m, "CHUNK": 1, "WIDE_WARPS": w, "num_warps": w, "num_stages": 1} for m in (1, 2) for w in (4, 8, 16)]
+    + [{"BLOCK_M": 1, "CHUNK": 1, "WIDE_WARPS": 16, "num_warps": 4, "num_stages": 1}]
+    + [{"BLOCK_M": 1, "CHUNK": c, "WIDE_WARPS": w, "num_warps": w, "num_stages": 1}
+       for c, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))])
 
 
 DOMAIN = spec.Domain(
@@ -42,12 +51,65 @@ def _softmax_causal_fwd(s_ptr, scale_ptr, y_ptr, n_rows, n_q, n_k,
     valid = (cols[None, :] <= limit[:, None]) & (cols[None, :] < n_k)
     offs = rows[:, None].to(tl.int64) * n_k + cols[None, :]
     scale = tl.load(scale_ptr)
-    x = tl.load(s_ptr + offs, mask=valid & rmask[:, None], other=0.0).to(tl.float32) * scale
+    # the load mask ends on a multiple of 8 elements, so it is uniform over each 16-byte vector and the loads
+    # stay vectorized (a mask ending at the causal limit itself made every load scalar); the up to 7 extra
+    # scores read are causally masked below
+    bound = (limit // 8 + 1) * 8
+    lmask = (cols[None, :] < bound[:, None]) & (cols[None, :] < n_k) & rmask[:, None]
+    x = tl.load(s_ptr + offs, mask=lmask, other=0.0).to(tl.float32) * scale
     x = tl.where(valid, x, float("-inf"))
     m = tl.max(x, axis=1)
     p = tl.exp(x - m[:, None])
     y = p / tl.sum(p, axis=1)[:, None]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < n_k))
+
+
+@triton.jit
+def _softmax_causal_stream(s_ptr, scale_ptr, y_ptr, n_q, n_k, CHUNK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One row per program in CHUNK-wide pieces: per-lane running max and sum over the unmasked scores, then
+    a second pass that normalises and writes the whole row (zeros past the causal limit, not read)."""
+    row = tl.program_id(0)
+    limit = row % n_q + (n_k - n_q)
+    bound = (limit // 8 + 1) * 8  # vector-uniform load mask, as in _softmax_causal_fwd
+    base = row.to(tl.int64) * n_k
+    cols = tl.arange(0, CHUNK)
+    scale = tl.load(scale_ptr)
+    m = tl.full([CHUNK], float("-inf"), tl.float32)
+    lsum = tl.zeros([CHUNK], tl.float32)
+    if INTERPRETED:
+        c0 = 0
+        while c0 <= limit:
+            m, lsum = _stream_stats(s_ptr, base, c0 + cols, limit, bound, n_k, scale, m, lsum)
+            c0 += CHUNK
+    else:
+        for c0 in range(0, limit + 1, CHUNK):
+            m, lsum = _stream_stats(s_ptr, base, c0 + cols, limit, bound, n_k, scale, m, lsum)
+    mx = tl.max(m, axis=0)
+    inv = 1.0 / tl.sum(lsum * tl.exp(m - mx), axis=0)  # lanes that saw no score: m = -inf, lsum = 0
+    if INTERPRETED:
+        c0 = 0
+        while c0 < n_k:
+            _stream_store(s_ptr, y_ptr, base, c0 + cols, limit, bound, n_k, scale, mx, inv)
+            c0 += CHUNK
+    else:
+        for c0 in range(0, n_k, CHUNK):
+            _stream_store(s_ptr, y_ptr, base, c0 + cols, limit, bound, n_k, scale, mx, inv)
+
+
+@triton.jit
+def _stream_stats(s_ptr, base, c, limit, bound, n_k, scale, m, lsum):
+    x = tl.load(s_ptr + base + c, mask=(c < bound) & (c < n_k), other=0.0).to(tl.float32) * scale
+    x = tl.where(c <= limit, x, float("-inf"))
+    m_new = tl.maximum(m, x)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, lsum * tl.exp(m - m_use) + tl.exp(x - m_use)
+
+
+@triton.jit
+def _stream_store(s_ptr, y_ptr, base, c, limit, bound, n_k, scale, mx, inv):
+    x = tl.load(s_ptr + base + c, mask=(c < bound) & (c < n_k), other=0.0).to(tl.float32) * scale
+    y = tl.where(c <= limit, tl.exp(x - mx) * inv, 0.0)
+    tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=c < n_k)
 
 
 _config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
@@ -87,10 +149,15 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
     (y,) = outs
     spec.check_outputs(NAME, outs, s)
     bh, q, k = s.shape
+    if cfg["CHUNK"] > 1:
+        _softmax_causal_stream[(bh * q,)](s, sc, y, q, k, CHUNK=cfg["CHUNK"], INTERPRETED=s.device.type == "cpu",
+                                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
     bm = min(cfg["BLOCK_M"], triton.next_power_of_2(bh * q))  # BLOCK_M is an upper bound
+    bn = _block_n(k)
     _softmax_causal_fwd[(triton.cdiv(bh * q, bm),)](
-        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=_block_n(k),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        s, sc, y, bh * q, q, k, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=cfg["WIDE_WARPS"] if bn > WIDE else cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -127,15 +194,22 @@ def fuzz(rng: random.Random) -> spec.Shape:
 
 
 def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
-    """One specialization per row width BLOCK_N (next power of 2 of k) across the domain."""
+    """One specialization per row width BLOCK_N (next power of 2 of k) across the domain (CHUNK 1), else the
+    streaming kernel."""
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
+    if cfg["CHUNK"] > 1:
+        sig = {"s_ptr": p, "scale_ptr": "*fp32", "y_ptr": p, "n_q": "i32", "n_k": "i32", "CHUNK": "constexpr",
+               "INTERPRETED": "constexpr"}
+        return [spec.AotSpec(_softmax_causal_stream, sig, {"CHUNK": cfg["CHUNK"], "INTERPRETED": False},
+                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])]
     sig = {"s_ptr": p, "scale_ptr": "*fp32", "y_ptr": p, "n_rows": "i32", "n_q": "i32", "n_k": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     rng = DOMAIN.dims["k"]
     blocks = sorted({_block_n(v) for v in (rng.lo, *(1 << j for j in range(4, 15)), rng.hi) if rng.lo <= v <= rng.hi})
     return [spec.AotSpec(_softmax_causal_fwd, sig, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": b},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for b in blocks]
+                    num_warps=cfg["WIDE_WARPS"] if b > WIDE else cfg["num_warps"], num_stages=cfg["num_stages"])
+            for b in blocks]
 
 
 OP = spec.module_op(

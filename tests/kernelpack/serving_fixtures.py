@@ -20,7 +20,7 @@ from kernelpack.runtime import Runtime, publish_active
 from kernelpack.scaffold import write_source
 from tests.kernelpack.bundle_fixtures import Keys
 
-OPS = ("add_rmsnorm", "swiglu", "rope", "flash_attn")
+OPS = ("add_rmsnorm", "swiglu", "rope", "flash_attn", "decode_attn")
 
 
 def write_serve_src(root: Path, version: str) -> Path:

@@ -13,7 +13,7 @@ from kernelpack.harness.edge import CASES, check_edge, check_production, dtypes_
 from kernelpack.kernels.spec import DTYPES as DTYPE
 
 OPS = ("bias_gelu", "bias_gelu_tanh", "add_rmsnorm", "add_layernorm", "swiglu", "softmax_causal", "rope", "fp8_quant",
-       "flash_attn")
+       "flash_attn", "decode_attn")
 CPU = torch.device("cpu")
 
 

@@ -14,7 +14,7 @@ from kernelpack.kernels.spec import DTYPES, DomainError, KernelOp, Tolerance
 
 MODULES = [
     "bias_gelu", "bias_gelu_tanh", "add_rmsnorm", "add_layernorm", "swiglu",
-    "softmax_causal", "rope", "fp8_quant", "flash_attn",
+    "softmax_causal", "rope", "fp8_quant", "flash_attn", "decode_attn",
 ]
 OPS: dict[str, KernelOp] = {m: importlib.import_module(f"kernelpack.kernels.{m}").OP for m in MODULES}
 CASES = [(m, d) for m in MODULES for d in OPS[m].domain.dtypes]

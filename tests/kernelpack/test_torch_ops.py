@@ -19,8 +19,8 @@ from tests.kernelpack.bundle_fixtures import Keys
 from tests.kernelpack.serving_fixtures import *  # noqa: F403
 from tests.kernelpack.serving_fixtures import Serving
 
-ALL_OPS = ("add_layernorm", "add_rmsnorm", "bias_gelu", "bias_gelu_tanh", "flash_attn", "fp8_quant", "rope",
-           "softmax_causal", "swiglu")
+ALL_OPS = ("add_layernorm", "add_rmsnorm", "bias_gelu", "bias_gelu_tanh", "decode_attn", "flash_attn", "fp8_quant",
+           "rope", "softmax_causal", "swiglu")
 
 
 def _inputs(name: str) -> tuple[object, ...]:
