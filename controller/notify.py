@@ -410,12 +410,16 @@ class Notifier:
 
     # ------------------------------------------------------------------------------- threads
     def _loop(self, target: Target) -> None:
-        while not self._stop.wait(self.period):
+        # the first batch runs at once: a target seen for the first time is subscribed at the head when the
+        # notifier starts, not a period later (a rollback decided in that first second was never sent)
+        while True:
             try:
                 self.run_once(target)
             except Exception:  # the database is away, say: try again next period
                 self._cursor[target.id] = None
                 log.exception("notifier for %s: batch failed (will retry)", target.shown)
+            if self._stop.wait(self.period):
+                return
 
     def start(self) -> None:
         for t in self.targets:
