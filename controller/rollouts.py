@@ -34,6 +34,7 @@ from controller.db.models import (
     StableVersion,
     utcnow,
 )
+from controller.desired.generation import changed
 from controller.errors import ConcurrentWrite, Conflict, Invalid, NotFound
 from controller.plan import PlanSpec, load_plan
 from kernelctl.vocab import (
@@ -95,6 +96,11 @@ def guarded(fn: F) -> F:
             raise ConcurrentWrite(what) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _strata_changed(session: Session, rollout: Rollout, rows: list[RolloutStratum]) -> None:
+    """These strata's states changed: declared for the replicas' snapshots (``controller.desired.generation``)."""
+    changed(session, strata={(rollout.id, r.stratum): r.state for r in rows})
 
 
 def _touch(rollout: Rollout, now: dt.datetime) -> None:
@@ -206,6 +212,7 @@ def start_rollout(
     ]
     session.add(rollout)
     flush(session, f"bundle {bundle.ref}")
+    _strata_changed(session, rollout, rollout.strata)
     _event(session, rollout, "rollout.started", actor=actor, reason=reason, payload={
         "strata": {s: {"eligible": len(eligible[s]), "baseline": _ref_of(session, stable.get(s))} for s in chosen},
         "excluded": excluded, "forced": force, "plan": rollout.plan,
@@ -229,6 +236,7 @@ def begin(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, r
     rows = [s for s in rollout.strata if s.state == PENDING]
     for s in rows:
         s.state, s.step_index, s.step_started_at = PROGRESSING, 0, now
+    _strata_changed(session, rollout, rows)
     sized = assignments.assign_step(session, rollout, rows, load_plan(rollout.plan), now=now)
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -246,6 +254,7 @@ def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
         return "promote", None
     row.step_index += 1
     row.state, row.step_started_at = PROGRESSING, now
+    _strata_changed(session, rollout, [row])
     sized = assignments.assign_step(session, rollout, [row], plan, now=now)[row.stratum]
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -258,6 +267,7 @@ def promote_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
                     reason: str | None = None) -> None:
     """The candidate becomes the stable version of this stratum."""
     row.state, row.reason = PROMOTED, reason
+    _strata_changed(session, rollout, [row])
     nodes = assignments.make_stable(session, rollout, row.stratum, now=now)
     _event(session, rollout, "rollout.stratum_promoted", actor=actor, reason=reason,
            payload={"stratum": row.stratum, "step": row.step_index, "nodes": nodes})
@@ -272,6 +282,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
     names = {r.stratum for r in rows}
     for r in rows:
         r.state, r.reason = ROLLED_BACK, reason
+    _strata_changed(session, rollout, rows)
     everything = all(s.state in TERMINAL_STATES for s in rollout.strata) and not any(
         s.state == PROMOTED for s in rollout.strata)
     reverted = assignments.revert_to_stable(session, rollout.id, None if everything else names, now=now)
@@ -291,6 +302,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
 def pause_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, reason: str,
                   now: dt.datetime) -> None:
     row.state, row.reason = PAUSED, reason
+    _strata_changed(session, rollout, [row])
     before = rollout.state
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -445,6 +457,7 @@ def pause(session: Session, rollout_id: int, *, actor: str, reason: str | None =
     for s in rollout.strata:
         if s.state == PROGRESSING:
             s.state, s.reason = PAUSED, reason or "paused by operator"
+    _strata_changed(session, rollout, rollout.strata)
     _sync_summary(rollout)
     _touch(rollout, now)
     _event(session, rollout, "rollout.paused", actor=actor, reason=reason)
@@ -467,6 +480,7 @@ def resume(session: Session, rollout_id: int, *, actor: str, reason: str | None 
         if s.state == PAUSED:
             s.state, s.reason, s.step_started_at = PROGRESSING, None, now
             resumed.append(s.stratum)
+    _strata_changed(session, rollout, rollout.strata)
     _sync_summary(rollout)
     _touch(rollout, now)
     _event(session, rollout, "rollout.resumed", actor=actor, reason=reason, payload={"strata": resumed})

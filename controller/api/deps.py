@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
 from controller.db.engine import session_scope
 from controller.db.models import ApiToken, utcnow
+from controller.desired.hub import DesiredHub
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
@@ -38,6 +39,7 @@ class AppState:
     factory: sessionmaker[Session]
     metrics: Metrics
     elector: LeaderElector
+    hub: DesiredHub  # desired-state push, batched liveness and agent writes (controller.desired), every replica
     trusted_keys: dict | None = None
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
     _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes

@@ -116,6 +116,8 @@ class Node(Base):
     state: Mapped[str] = mapped_column(String(16), default="active")  # active | stale
     registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    # SHA-256 of the agent's registration key: a retry whose reply was lost proves it is the same agent
+    registration_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class StableVersion(Base):
