@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -28,6 +28,7 @@ from controller.contract import ContractChange, contract_changes
 from controller.db.models import (
     Bundle,
     Incompatibility,
+    RollbackIntent,
     Rollout,
     RolloutStep,
     RolloutStratum,
@@ -348,6 +349,33 @@ def position(rollout: Rollout) -> int:
     return -1 if rollout.state == PENDING else rollout.step_index
 
 
+ROLLBACK_INTENT_SECONDS = 60.0  # an intent older than this (its replica crashed mid-rollback) no longer blocks
+
+
+def request_rollback(session: Session, rollout_id: int, *, now: dt.datetime | None = None) -> int:
+    """Record that a rollback of ``rollout_id`` is in flight (commit it before the rollback itself): every
+    replica's promote of that rollout is refused until :func:`end_rollback` (a rollback wins over a promote).
+    Needs no lock on the rollout, so it lands while a racing promote holds it. Returns the intent's id."""
+    if session.get(Rollout, rollout_id) is None:
+        raise NotFound(f"rollout {rollout_id} not found")
+    intent = RollbackIntent(rollout_id=rollout_id, at=now or utcnow())
+    session.add(intent)
+    session.flush()
+    return intent.id
+
+
+def end_rollback(session: Session, intent_id: int) -> None:
+    """The rollback of :func:`request_rollback` is over (committed or refused)."""
+    session.execute(delete(RollbackIntent).where(RollbackIntent.id == intent_id))
+
+
+def rollback_pending(session: Session, rollout_id: int, *, now: dt.datetime | None = None) -> bool:
+    """A rollback of ``rollout_id`` is in flight on some replica (see :class:`RollbackIntent`)."""
+    since = (now or utcnow()) - dt.timedelta(seconds=ROLLBACK_INTENT_SECONDS)
+    return session.scalar(select(RollbackIntent.id).where(RollbackIntent.rollout_id == rollout_id,
+                                                          RollbackIntent.at > since).limit(1)) is not None
+
+
 @guarded
 def promote(
     session: Session,
@@ -368,10 +396,12 @@ def promote(
     promotion idempotent instead: strata already at or past it are left alone.
     """
     now = now or utcnow()
-    rollout = get_rollout(session, rollout_id, lock=True)
+    rollout = get_rollout(session, rollout_id, lock=True)  # waits for any writer holding it, then looks
     if rollout.state == ROLLED_BACK:
         raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
                        "start a new rollout (with force for a revoked version)")
+    if rollback_pending(session, rollout_id, now=now):  # a rollback always wins over a racing promote
+        raise Conflict(f"a rollback of rollout {rollout_id} is in progress: promote refused, nothing changed")
     if from_step is not None and (rollout.state == PROMOTED or position(rollout) != from_step):
         at = "promoted (terminal)" if rollout.state == PROMOTED else (
             f"{rollout.state} at step {position(rollout)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,24 +44,6 @@ class AppState:
     _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes
     _swept_at: float = float("-inf")  # monotonic start of the last successful sweep_lapsed_tokens
     _auth_lock: threading.Lock = field(default_factory=threading.Lock)
-    _rollbacks: Counter[int] = field(default_factory=Counter)  # rollout id -> rollbacks in flight here
-
-    @contextmanager
-    def rolling_back(self, rollout_id: int) -> Iterator[None]:
-        """Mark a rollback of ``rollout_id`` in flight: promotes of it are refused until it ends."""
-        with self._auth_lock:
-            self._rollbacks[rollout_id] += 1
-        try:
-            yield
-        finally:
-            with self._auth_lock:
-                self._rollbacks[rollout_id] -= 1
-                if self._rollbacks[rollout_id] <= 0:
-                    del self._rollbacks[rollout_id]
-
-    def rollback_pending(self, rollout_id: int) -> bool:
-        with self._auth_lock:
-            return self._rollbacks.get(rollout_id, 0) > 0
 
     @contextmanager
     def tx(self) -> Iterator[Session]:

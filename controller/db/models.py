@@ -178,6 +178,20 @@ class Rollout(Base):
     __mapper_args__ = {"version_id_col": row_version}
 
 
+class RollbackIntent(Base):
+    """A rollback of a rollout in flight on some replica: while one is younger than a minute, promotes of that
+    rollout are refused on every replica (``controller.rollouts.rollback_pending``). Written and committed
+    before the rollback waits for the rollout's lock, deleted after it (a crashed replica's row expires). No
+    foreign key: its check would lock the rollout's row (FOR KEY SHARE) and wait behind the very promote that
+    the intent must stop."""
+
+    __tablename__ = "rollback_intents"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(BigInteger, index=True)
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class RolloutStep(Base):
     """One step of a rollout plan: a node count or a percent of each stratum, with bake and sample rules."""
 
