@@ -1,10 +1,13 @@
 """HTTP client of the agent: register, heartbeat, bundle download, report batches (httpx + tenacity).
 
-Retries (exponential backoff with jitter, tenacity) only on connect errors, 429 and 5xx answers (never sooner
-than the controller's ``Retry-After``, with jitter on top); any other
+Retries (exponential backoff with jitter, tenacity) only on transport errors (connect, read and write
+timeouts, a dropped connection: every call is safe to repeat, registration included thanks to its registration
+key), 429 and 5xx answers (never sooner than the controller's ``Retry-After``, with jitter on top); any other
 error is raised at once as :class:`ControllerError` with the controller's ``detail``. The node token the
 controller hands out at registration is persisted (mode 0600, atomic write) in the cache dir and used from
-then on; the enrollment token is only needed again if the controller no longer knows the node token.
+then on; the enrollment token is only needed again if the controller no longer knows the node token. The
+registration key (:meth:`TokenStore.registration_key`) is generated and persisted before the first attempt:
+a retry of a registration whose reply was lost gets the same node.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable
@@ -67,7 +71,7 @@ class DownloadError(ControllerError):
 
 
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    if isinstance(exc, httpx.TransportError):  # connect/read/write timeouts, refused or dropped connections
         return True
     return isinstance(exc, httpx.HTTPStatusError) and (exc.response.status_code >= 500
                                                        or exc.response.status_code == 429)
@@ -113,6 +117,22 @@ def _detail(resp: httpx.Response) -> str:
     return json.dumps(body)[:500]
 
 
+def _write_private(path: Path, doc: dict[str, str]) -> None:
+    """Write ``doc`` as JSON to ``path``: mode 0600, atomically (a crash leaves the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class TokenStore:
     """The node token on disk: ``<dir>/node-token.json`` (0600) keyed by controller URL and node name."""
 
@@ -130,21 +150,25 @@ class TokenStore:
         return None
 
     def save(self, controller_url: str, node_name: str, token: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".node-token.")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"controller_url": controller_url, "node_name": node_name, "token": token}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_private(self.path, {"controller_url": controller_url, "node_name": node_name, "token": token})
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def registration_key(self, controller_url: str, node_name: str) -> str:
+        """This node's registration key for ``controller_url``: read, or generated and persisted (0600, atomic)
+        before it is first sent, so a retry after a lost reply proves it is the same agent."""
+        path = self.path.with_name("registration-key.json")
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("controller_url") == controller_url and doc.get("node_name") == node_name \
+                    and isinstance(doc.get("key"), str) and len(doc["key"]) >= 16:
+                return str(doc["key"])
+        except (OSError, ValueError, AttributeError):
+            pass
+        key = secrets.token_urlsafe(32)
+        _write_private(path, {"controller_url": controller_url, "node_name": node_name, "key": key})
+        return key
 
 
 class ControllerClient:
@@ -205,8 +229,8 @@ class ControllerClient:
 
         try:
             resp = Retrying(**self._retry_kwargs)(attempt)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise Unreachable(f"controller {self.base_url} unreachable: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise Unreachable(f"controller {self.base_url} unreachable: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPStatusError as exc:
             raise Unreachable(
                 f"controller {self.base_url} answered {exc.response.status_code}: {_detail(exc.response)}",

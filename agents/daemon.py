@@ -27,6 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tenacity import Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from agents.cache import BundleCache, BundleRefused
 from agents.client import ControllerClient, ControllerError, DownloadError, TokenStore, Unreachable
@@ -47,10 +50,21 @@ from kernelctl.wire import (
 log = logging.getLogger("kernelctl.agent")
 
 REFUSAL_RETRY_S = 300.0  # a refused download is tried again after this long (a fixed upload gets through)
-REGISTER_RETRY_S = 5.0
+REGISTER_RETRY_S = 5.0  # first registration retry after about this long (exponential backoff, jitter)
+REGISTER_BACKOFF_MAX_S = 120.0
 # while the controller is unreachable, trials of the last desired state go on for this long (then stop: a
 # rollback may have happened meanwhile)
 DESIRED_STATE_TTL_S = 600.0
+
+
+class InventoryRefused(Exception):
+    """The controller refused a field of the node's inventory (422): reported, collected again, retried."""
+
+
+def _log_register_retry(retry_state: Any) -> None:
+    exc = retry_state.outcome.exception() if retry_state.outcome else None
+    log.warning("registration failed (%s); retry %d in %.1fs", exc, retry_state.attempt_number,
+                retry_state.next_action.sleep if retry_state.next_action else 0.0)
 
 
 class AgentFatal(Exception):
@@ -211,42 +225,51 @@ class Agent:
 
     # ------------------------------------------------------------------------------- registration
     def _register(self) -> None:
+        """Register until it succeeds or the agent stops: a retryable answer (the controller unreachable, busy,
+        a lost reply) or a refused inventory (reported, collected again) is retried with exponential backoff
+        and jitter, never fatal; a refusal the agent cannot fix (a token that may not register this node) is."""
+        cfg = self.cfg
+        store = TokenStore(cfg.cache_dir)
+        if not (store.load(cfg.controller_url, cfg.node_name) or cfg.token):
+            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
+        key = store.registration_key(cfg.controller_url, cfg.node_name)  # persisted before the first attempt
+        retrying = Retrying(retry=retry_if_exception_type((Unreachable, InventoryRefused)),
+                            wait=wait_exponential_jitter(REGISTER_RETRY_S / 4, REGISTER_BACKOFF_MAX_S,
+                                                         jitter=REGISTER_RETRY_S),
+                            stop=lambda _rs: self.stop_event.is_set(), sleep=self.stop_event.wait,
+                            before_sleep=_log_register_retry, reraise=True)
+        with contextlib.suppress(Unreachable, InventoryRefused):  # only when stopped meanwhile
+            retrying(self._register_once, store, key)
+
+    def _register_once(self, store: TokenStore, key: str) -> None:
         cfg, node = self.cfg, self.node
         assert node is not None
-        store = TokenStore(cfg.cache_dir)
         saved = store.load(cfg.controller_url, cfg.node_name)
-        candidates = [t for t in (saved, cfg.token) if t]
-        if not candidates:
-            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
-        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory)
-        while not self.stop_event.is_set():
-            last: ControllerError | None = None
-            for token in candidates:
-                client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
-                                          stop_event=self.stop_event)
-                try:
-                    reply = client.register(req)
-                except Unreachable as exc:
-                    client.close()
-                    last = exc
-                    break
-                except ControllerError as exc:
-                    client.close()
-                    last = exc
-                    if exc.status in (401, 403) and token is saved:
-                        log.warning("saved node token refused (%s); registering with the enrollment token", exc)
-                        continue
-                    raise AgentFatal(f"registration refused: {exc}") from exc
-                store.save(cfg.controller_url, cfg.node_name, reply.node_token)
-                self.client = client
-                self.heartbeat_seconds = reply.heartbeat_seconds
-                log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
-                         reply.heartbeat_seconds)
-                return
-            if isinstance(last, ControllerError) and not isinstance(last, Unreachable):
-                raise AgentFatal(f"registration refused: {last}")
-            log.warning("controller unreachable (%s); retrying registration in %.0fs", last, REGISTER_RETRY_S)
-            self.stop_event.wait(REGISTER_RETRY_S)
+        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory, registration_key=key)
+        for token in [t for t in (saved, cfg.token) if t]:
+            client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
+                                      stop_event=self.stop_event)
+            try:
+                reply = client.register(req)
+            except ControllerError as exc:
+                client.close()
+                if isinstance(exc, Unreachable):
+                    raise
+                if exc.status in (401, 403) and token is saved:
+                    log.warning("saved node token refused (%s); registering with the enrollment token", exc)
+                    continue
+                if exc.status == 422:  # a bad inventory field: reported, collected again, retried
+                    log.error("registration refused, inventory collected again before the retry: %s", exc)
+                    self.node = collect_inventory(cfg.inventory_overrides)
+                    raise InventoryRefused(str(exc)) from exc
+                raise AgentFatal(f"registration refused: {exc}") from exc
+            store.save(cfg.controller_url, cfg.node_name, reply.node_token)
+            self.client = client
+            self.heartbeat_seconds = reply.heartbeat_seconds
+            log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
+                     reply.heartbeat_seconds)
+            return
+        raise AgentFatal("registration refused: no token left to try")
 
     # --------------------------------------------------------------------------------------- tick
     def tick(self) -> bool:

@@ -1,6 +1,6 @@
 """A tiny loopback HTTP proxy in front of the real controller: a fixed address for agents while the
 controller restarts on new ports (502 while it is down, like a load balancer), and optional tampering with
-bundle downloads (a man in the middle flipping a byte)."""
+bundle downloads (a man in the middle flipping a byte), or replies lost on the way back."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class Proxy:
     def __init__(self, upstream: str | None = None) -> None:
         self.upstream = upstream
         self.tamper: Callable[[str], bool] = lambda path: False
+        self.lose: Callable[[str], bool] = lambda path: False  # forward, then drop the reply (a lost answer)
         self.requests: list[tuple[str, str, int]] = []
         proxy = self
 
@@ -44,6 +45,9 @@ class Proxy:
                     b[len(b) // 2] ^= 0x01
                     content = bytes(b)
                 proxy.requests.append((self.command, self.path, status))
+                if proxy.lose(self.path):
+                    self.close_connection = True  # the upstream committed; the client never hears it
+                    return
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
