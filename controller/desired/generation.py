@@ -96,6 +96,8 @@ def install_generation_hooks(factory: sessionmaker[Session],
 
     @event.listens_for(factory, "after_commit")
     def _after_commit(session: Session) -> None:
+        if session.get_nested_transaction() is not None:
+            return  # a savepoint released: the outer commit bumps and reports
         value = session.info.pop(GENERATION, None)
         patch = session.info.pop(PATCH, None)
         target = getattr(factory, HOOKED)

@@ -29,6 +29,7 @@ from kernelctl import wire
 
 log = logging.getLogger(__name__)
 UNKNOWN_RELOAD_SECONDS = 1.0  # a heartbeat from a node the snapshot does not know: reload this soon
+NOTIFY_DEFER_SECONDS = 0.05  # a NOTIFY is looked at this much later (this process's own patch lands first)
 
 
 class DesiredStore:
@@ -59,8 +60,13 @@ class DesiredStore:
         self.in_loop(self.apply, generation, patch)
 
     def notified(self, generation: int | None) -> None:
-        """The generation moved somewhere (a NOTIFY; None: maybe, reload to see)."""
-        self.in_loop(self.poke, generation)
+        """The generation moved somewhere (a NOTIFY; None: maybe, reload to see). Looked at a moment later: a
+        commit of this process has its patch applied by then, and needs no reload."""
+        self.in_loop(self._notified, generation)
+
+    def _notified(self, generation: int | None) -> None:
+        if self._loop is not None:
+            self._loop.call_later(NOTIFY_DEFER_SECONDS, self.poke, generation)
 
     # ----------------------------------------------------------------------------- in the loop
     def poke(self, generation: int | None = None) -> None:
