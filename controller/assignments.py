@@ -11,9 +11,11 @@ Trial before serve: a new canary's assignment starts in phase ``staged`` (the he
 stable version active and asks for a trial of the candidate); :func:`mark_verified` (called by report
 ingestion) moves it to ``verified`` once a hard-gates-passed report of this node is accepted and its stratum
 has no hard failure; the next reply makes the candidate active, and the node reporting it active makes it
-``serving`` (:func:`advance_phases`, which also tags the node's activation with the rollout and the time its
-trial was accepted). A plan with ``serve_before_trial`` serves the candidate at once (staged -> serving).
-Rollback and promotion clear the phase.
+``serving`` (the heartbeat rule, ``controller.desired.effects.heartbeat_effects``, applied here by
+:func:`advance_phases`, which also tags the node's activation with the rollout and the time its trial was
+accepted). A node reporting an unverified candidate active is refused (a security event; the phase stays). A
+plan with ``serve_before_trial`` serves the candidate at once (staged -> serving). Rollback and promotion clear
+the phase. Every write here that changes desired state declares it (``controller.desired.generation.changed``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
+from controller.bundle_bytes import BundleBytes
 from controller.db.engine import session_scope
 from controller.db.models import ApiToken, utcnow
 from controller.desired.hub import DesiredHub
@@ -40,6 +41,7 @@ class AppState:
     elector: LeaderElector
     hub: DesiredHub  # desired-state push, batched liveness and agent writes (controller.desired), every replica
     trusted_keys: dict | None = None
+    bundle_bytes: BundleBytes = field(default_factory=BundleBytes)  # bundle downloads, cached by digest
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
     _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes
     _swept_at: float = float("-inf")  # monotonic start of the last successful sweep_lapsed_tokens

@@ -259,7 +259,7 @@ class DesiredGeneration(Base):
     """One row: the generation of the fleet's desired state, bumped by every commit that changes it.
 
     Replicas cache the desired state per generation and long-polling agents are woken when it moves
-    (``controller.watch``); on PostgreSQL the bump also sends ``NOTIFY kernelctl_desired``.
+    (``controller.desired``); on PostgreSQL the bump also sends ``NOTIFY kernelctl_desired``.
     """
 
     __tablename__ = "desired_generation"
