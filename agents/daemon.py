@@ -124,6 +124,7 @@ class Agent:
         self.refused: dict[str, tuple[float, str]] = {}  # digest -> (when, reason)
         self._trial: _RunningTrial | None = None
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one outbox flush at a time (the main loop's, and shutdown's)
         self.metrics_port: int | None = None
         self._last_heartbeat_ok = -1e18
         self.generation: int | None = None  # of the last desired state applied (the watch sends it back)
@@ -190,8 +191,8 @@ class Agent:
                 self._wake.clear()
                 if self.stop_event.is_set() or self.client is None:
                     continue
+                self._flush()  # off the heartbeat path: a slow report never delays applying a reply
                 with self._lock:
-                    self._flush()
                     if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
                         self._maybe_trial()
             return 0
@@ -289,7 +290,6 @@ class Agent:
                     client.close()
                     self.client = None
                     self._register()
-                self._flush()
                 if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
                     self._maybe_trial()  # keep measuring what was asked; reports wait in the outbox
             return False
@@ -299,10 +299,9 @@ class Agent:
             self.generation = reply.generation
             self.desired = list(reply.desired)
             switched = self._apply(self.desired)
-            flushed = self._flush()
-            # the next heartbeat reports the switch at once; an old controller (no generation) is polled
-            self._report_now = switched or (reply.generation is None and flushed > 0 and self._awaiting_serve())
+            self._report_now = switched  # the next heartbeat reports the switch at once
             self._maybe_trial()
+        self._wake.set()  # the main loop sends the outbox (never this watch thread)
         return True
 
     def _awaiting_serve(self) -> bool:
@@ -529,7 +528,12 @@ class Agent:
 
     # --------------------------------------------------------------------------------------- reports
     def _flush(self) -> int:
-        """Send pending reports; returns how many the controller acknowledged."""
+        """Send pending reports; returns how many the controller acknowledged. Called by the main loop only,
+        without ``_lock`` (the outbox is thread-safe): the watch thread never waits behind a slow report."""
+        with self._flushing:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
         if self.client is None or self.outbox is None:
             return 0
         client, outbox = self.client, self.outbox
