@@ -90,7 +90,7 @@ def retry_after_seconds(exc: BaseException | None) -> float:
         return 0.0
 
 
-def _backoff(initial: float, maximum: float) -> Any:
+def backoff_wait(initial: float, maximum: float) -> Any:
     """Exponential backoff from ``initial`` doubling up to ``maximum``, plus up to ``initial`` of jitter; never
     sooner than the controller's ``Retry-After`` (plus up to half of it again as jitter, so that a fleet told
     to come back in 2 s does not come back in the same instant)."""
@@ -193,7 +193,7 @@ class ControllerClient:
         self._stop = stop_event or threading.Event()
         self._retry_kwargs: dict[str, Any] = {
             "retry": retry_if_exception(_retryable),
-            "wait": _backoff(backoff_initial, backoff_max),
+            "wait": backoff_wait(backoff_initial, backoff_max),
             "stop": stop_after_attempt(max_attempts) | stop_after_delay(max_retry_seconds) | self._stopped,
             "sleep": self._sleep,
             "reraise": True,

@@ -29,11 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tenacity import Retrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception_type
 
 from agents.cache import BundleCache, BundleRefused
-from agents.client import ControllerClient, ControllerError, DownloadError, TokenStore, Unreachable
-from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
+from agents.client import (
+    ControllerClient,
+    ControllerError,
+    DownloadError,
+    TokenStore,
+    Unreachable,
+    backoff_wait,
+)
+from agents.inventory import InventoryError, NodeInventory, collect_inventory, memory_free_fraction
 from agents.metrics import AgentMetrics
 from agents.outbox import Outbox, new_idempotency_key
 from agents.trial import TrialAborted, TrialConfig, TrialRunner
@@ -235,8 +242,7 @@ class Agent:
             raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
         key = store.registration_key(cfg.controller_url, cfg.node_name)  # persisted before the first attempt
         retrying = Retrying(retry=retry_if_exception_type((Unreachable, InventoryRefused)),
-                            wait=wait_exponential_jitter(REGISTER_RETRY_S / 4, REGISTER_BACKOFF_MAX_S,
-                                                         jitter=REGISTER_RETRY_S),
+                            wait=backoff_wait(REGISTER_RETRY_S / 4, REGISTER_BACKOFF_MAX_S),
                             stop=lambda _rs: self.stop_event.is_set(), sleep=self.stop_event.wait,
                             before_sleep=_log_register_retry, reraise=True)
         with contextlib.suppress(Unreachable, InventoryRefused):  # only when stopped meanwhile
@@ -261,7 +267,10 @@ class Agent:
                     continue
                 if exc.status == 422:  # a bad inventory field: reported, collected again, retried
                     log.error("registration refused, inventory collected again before the retry: %s", exc)
-                    self.node = collect_inventory(cfg.inventory_overrides)
+                    try:
+                        self.node = collect_inventory(cfg.inventory_overrides)
+                    except InventoryError as bad:  # still wrong here: reported, the retry waits for a fix
+                        log.error("%s", bad)
                     raise InventoryRefused(str(exc)) from exc
                 raise AgentFatal(f"registration refused: {exc}") from exc
             store.save(cfg.controller_url, cfg.node_name, reply.node_token)

@@ -18,6 +18,8 @@ class Proxy:
         self.upstream = upstream
         self.tamper: Callable[[str], bool] = lambda path: False
         self.lose: Callable[[str], bool] = lambda path: False  # forward, then drop the reply (a lost answer)
+        # answer in the controller's stead (status, JSON body), without forwarding; None: forward
+        self.answer: Callable[[str], tuple[int, bytes] | None] = lambda path: None
         self.requests: list[tuple[str, str, int]] = []
         proxy = self
 
@@ -32,6 +34,11 @@ class Proxy:
                 body = self.rfile.read(n) if n else b""
                 up = proxy.upstream
                 status, headers, content = 502, {}, b'{"detail":"upstream down"}'
+                canned = proxy.answer(self.path)
+                if canned is not None:
+                    status, content = canned
+                    headers = {"Content-Type": "application/json"}
+                    up = None
                 if up is not None:
                     try:
                         fwd = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
