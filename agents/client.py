@@ -272,44 +272,50 @@ class ControllerClient:
     def download_bundle(self, ref: BundleRef, dest_dir: Path, max_bytes: int) -> Path:
         """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.
 
-        The caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
+        A download cut short is resumed where it stopped (``Range``, the retry of a transport error), and the
+        bytes already received are kept only while the controller answers for the same digest (``ETag``). The
+        caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
         """
         dest_dir.mkdir(parents=True, exist_ok=True)
         url = f"{API_PREFIX}/bundles/{ref.name}/{ref.version}/content"
+        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
+        os.close(fd)
 
         def fetch() -> httpx.Response:
-            fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
-            sha = hashlib.sha256()
-            size = 0
-            try:
-                with os.fdopen(fd, "wb") as f, self._http.stream("GET", url, headers=self._headers()) as resp:
-                    if resp.status_code >= 400:
-                        resp.read()
-                        Path(tmp).unlink(missing_ok=True)
-                        return resp
-                    for chunk in resp.iter_bytes(1 << 16):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise DownloadError(
-                                f"bundle {ref.name}@{ref.version} is larger than the cap of {max_bytes} bytes"
-                            )
-                        sha.update(chunk)
-                        f.write(chunk)
-                    resp.extensions["kctl_path"] = tmp
-                    resp.extensions["kctl_sha"] = sha.hexdigest()
+            have = Path(tmp).stat().st_size
+            headers = {**self._headers(), **({"Range": f"bytes={have}-", "If-Range": f'"{ref.digest}"'}
+                                               if have else {})}
+            with open(tmp, "r+b") as f, self._http.stream("GET", url, headers=headers) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
                     return resp
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+                size = have if resp.status_code == 206 else 0  # 200: the whole body again
+                f.seek(size)
+                f.truncate()
+                for chunk in resp.iter_bytes(1 << 16):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise DownloadError(
+                            f"bundle {ref.name}@{ref.version} is larger than the cap of {max_bytes} bytes"
+                        )
+                    f.write(chunk)
+                return resp
 
-        resp = self._call(fetch)
-        tmp = Path(resp.extensions["kctl_path"])
-        got = resp.extensions["kctl_sha"]
+        try:
+            resp = self._call(fetch)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        sha = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+        got = sha.hexdigest()
         header = resp.headers.get(DIGEST_HEADER)
         if got != ref.digest or (header is not None and header != ref.digest):
-            tmp.unlink(missing_ok=True)
+            Path(tmp).unlink(missing_ok=True)
             raise DownloadError(
                 f"bundle {ref.name}@{ref.version}: downloaded bytes have sha256 {got}, expected {ref.digest}"
                 + (f" (controller says {header})" if header and header != ref.digest else "")
             )
-        return tmp
+        return Path(tmp)

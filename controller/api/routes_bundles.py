@@ -138,8 +138,9 @@ def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrinci
             return s.scalar(select(Bundle.content).where(Bundle.digest == digest))  # type: ignore[return-value]
 
     data = state.bundle_bytes.get(digest, load)
-    try:
-        part = byte_range(request.headers.get("range"), len(data))
+    if_range = request.headers.get("if-range")
+    try:  # a Range for other bytes than these (If-Range names another digest) gets the whole body
+        part = byte_range(request.headers.get("range") if if_range in (None, f'"{digest}"') else None, len(data))
     except ValueError as exc:
         return Response(str(exc), status_code=416, headers={**headers, "Content-Range": f"bytes */{len(data)}"})
     if part is None:

@@ -20,6 +20,8 @@ class Proxy:
         self.lose: Callable[[str], bool] = lambda path: False  # forward, then drop the reply (a lost answer)
         # answer in the controller's stead (status, JSON body), without forwarding; None: forward
         self.answer: Callable[[str], tuple[int, bytes] | None] = lambda path: None
+        self.cut: Callable[[str], bool] = lambda path: False  # send half the body, then drop the connection
+        self.ranges: list[str | None] = []  # the Range header of every request
         self.requests: list[tuple[str, str, int]] = []
         proxy = self
 
@@ -52,6 +54,7 @@ class Proxy:
                     b[len(b) // 2] ^= 0x01
                     content = bytes(b)
                 proxy.requests.append((self.command, self.path, status))
+                proxy.ranges.append(self.headers.get("Range"))
                 if proxy.lose(self.path):
                     self.close_connection = True  # the upstream committed; the client never hears it
                     return
@@ -60,6 +63,11 @@ class Proxy:
                     self.send_header(k, v)
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
+                if proxy.cut(self.path):
+                    self.wfile.write(content[: len(content) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 self.wfile.write(content)
 
             do_GET = do_POST = do_PUT = do_DELETE = _handle

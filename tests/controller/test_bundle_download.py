@@ -8,7 +8,10 @@ import hashlib
 
 import pytest
 
+from agents.client import ControllerClient
 from controller.bundle_bytes import BundleBytes, byte_range
+from kernelctl import wire
+from tests.agents.proxy import Proxy
 from tests.controller.serverutil import ControllerProcess, build_test_bundles, register_node
 
 
@@ -48,4 +51,19 @@ def test_download_resumes_with_a_range_and_revalidates_by_digest(db_url: str, tm
         assert rest.headers["content-range"] == f"bytes {cut}-{len(data) - 1}/{len(data)}"
         assert node.get(url, headers={"If-None-Match": f'"{digest}"'}).status_code == 304
         assert node.get(url, headers={"Range": f"bytes={len(data)}-"}).status_code == 416
+        other = node.get(url, headers={"Range": f"bytes={cut}-", "If-Range": '"0000"'})  # not these bytes
+        assert other.status_code == 200 and other.content == data
+        token = node.headers["authorization"].split()[1]
         node.close()
+        with Proxy(ctl.url) as proxy:  # the agent's download is cut in the middle once: it resumes
+            cuts: list[str] = []
+            proxy.cut = lambda path: path.endswith("/content") and not cuts and not cuts.append(path)
+            client = ControllerClient(proxy.url, token, backoff_initial=0.05, backoff_max=0.2)
+            try:
+                got = client.download_bundle(wire.BundleRef(name="llm-fused", version="1.0.0", digest=digest),
+                                             tmp_path / "dl", max_bytes=1 << 30)
+            finally:
+                client.close()
+        assert got.read_bytes() == data
+        assert [s for _m, p, s in proxy.requests] == [200, 206]
+        assert proxy.ranges[0] is None and proxy.ranges[1].startswith("bytes=") and proxy.ranges[1] != "bytes=0-"
