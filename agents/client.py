@@ -1,10 +1,13 @@
 """HTTP client of the agent: register, heartbeat, bundle download, report batches (httpx + tenacity).
 
-Retries (exponential backoff with jitter, tenacity) only on connect errors, 429 and 5xx answers (never sooner
-than the controller's ``Retry-After``, with jitter on top); any other
+Retries (exponential backoff with jitter, tenacity) only on transport errors (connect, read and write
+timeouts, a dropped connection: every call is safe to repeat, registration included thanks to its registration
+key), 429 and 5xx answers (never sooner than the controller's ``Retry-After``, with jitter on top); any other
 error is raised at once as :class:`ControllerError` with the controller's ``detail``. The node token the
 controller hands out at registration is persisted (mode 0600, atomic write) in the cache dir and used from
-then on; the enrollment token is only needed again if the controller no longer knows the node token.
+then on; the enrollment token is only needed again if the controller no longer knows the node token. The
+registration key (:meth:`TokenStore.registration_key`) is generated and persisted before the first attempt:
+a retry of a registration whose reply was lost gets the same node.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable
@@ -67,7 +71,7 @@ class DownloadError(ControllerError):
 
 
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    if isinstance(exc, httpx.TransportError):  # connect/read/write timeouts, refused or dropped connections
         return True
     return isinstance(exc, httpx.HTTPStatusError) and (exc.response.status_code >= 500
                                                        or exc.response.status_code == 429)
@@ -86,7 +90,7 @@ def retry_after_seconds(exc: BaseException | None) -> float:
         return 0.0
 
 
-def _backoff(initial: float, maximum: float) -> Any:
+def backoff_wait(initial: float, maximum: float) -> Any:
     """Exponential backoff from ``initial`` doubling up to ``maximum``, plus up to ``initial`` of jitter; never
     sooner than the controller's ``Retry-After`` (plus up to half of it again as jitter, so that a fleet told
     to come back in 2 s does not come back in the same instant)."""
@@ -113,6 +117,22 @@ def _detail(resp: httpx.Response) -> str:
     return json.dumps(body)[:500]
 
 
+def _write_private(path: Path, doc: dict[str, str]) -> None:
+    """Write ``doc`` as JSON to ``path``: mode 0600, atomically (a crash leaves the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class TokenStore:
     """The node token on disk: ``<dir>/node-token.json`` (0600) keyed by controller URL and node name."""
 
@@ -130,21 +150,25 @@ class TokenStore:
         return None
 
     def save(self, controller_url: str, node_name: str, token: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".node-token.")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"controller_url": controller_url, "node_name": node_name, "token": token}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_private(self.path, {"controller_url": controller_url, "node_name": node_name, "token": token})
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def registration_key(self, controller_url: str, node_name: str) -> str:
+        """This node's registration key for ``controller_url``: read, or generated and persisted (0600, atomic)
+        before it is first sent, so a retry after a lost reply proves it is the same agent."""
+        path = self.path.with_name("registration-key.json")
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("controller_url") == controller_url and doc.get("node_name") == node_name \
+                    and isinstance(doc.get("key"), str) and len(doc["key"]) >= 16:
+                return str(doc["key"])
+        except (OSError, ValueError, AttributeError):
+            pass
+        key = secrets.token_urlsafe(32)
+        _write_private(path, {"controller_url": controller_url, "node_name": node_name, "key": key})
+        return key
 
 
 class ControllerClient:
@@ -169,7 +193,7 @@ class ControllerClient:
         self._stop = stop_event or threading.Event()
         self._retry_kwargs: dict[str, Any] = {
             "retry": retry_if_exception(_retryable),
-            "wait": _backoff(backoff_initial, backoff_max),
+            "wait": backoff_wait(backoff_initial, backoff_max),
             "stop": stop_after_attempt(max_attempts) | stop_after_delay(max_retry_seconds) | self._stopped,
             "sleep": self._sleep,
             "reraise": True,
@@ -205,8 +229,8 @@ class ControllerClient:
 
         try:
             resp = Retrying(**self._retry_kwargs)(attempt)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise Unreachable(f"controller {self.base_url} unreachable: {exc}") from exc
+        except httpx.TransportError as exc:
+            raise Unreachable(f"controller {self.base_url} unreachable: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPStatusError as exc:
             raise Unreachable(
                 f"controller {self.base_url} answered {exc.response.status_code}: {_detail(exc.response)}",
@@ -248,44 +272,50 @@ class ControllerClient:
     def download_bundle(self, ref: BundleRef, dest_dir: Path, max_bytes: int) -> Path:
         """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.
 
-        The caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
+        A download cut short is resumed where it stopped (``Range``, the retry of a transport error), and the
+        bytes already received are kept only while the controller answers for the same digest (``ETag``). The
+        caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
         """
         dest_dir.mkdir(parents=True, exist_ok=True)
         url = f"{API_PREFIX}/bundles/{ref.name}/{ref.version}/content"
+        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
+        os.close(fd)
 
         def fetch() -> httpx.Response:
-            fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
-            sha = hashlib.sha256()
-            size = 0
-            try:
-                with os.fdopen(fd, "wb") as f, self._http.stream("GET", url, headers=self._headers()) as resp:
-                    if resp.status_code >= 400:
-                        resp.read()
-                        Path(tmp).unlink(missing_ok=True)
-                        return resp
-                    for chunk in resp.iter_bytes(1 << 16):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise DownloadError(
-                                f"bundle {ref.name}@{ref.version} is larger than the cap of {max_bytes} bytes"
-                            )
-                        sha.update(chunk)
-                        f.write(chunk)
-                    resp.extensions["kctl_path"] = tmp
-                    resp.extensions["kctl_sha"] = sha.hexdigest()
+            have = Path(tmp).stat().st_size
+            headers = {**self._headers(), **({"Range": f"bytes={have}-", "If-Range": f'"{ref.digest}"'}
+                                               if have else {})}
+            with open(tmp, "r+b") as f, self._http.stream("GET", url, headers=headers) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
                     return resp
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+                size = have if resp.status_code == 206 else 0  # 200: the whole body again
+                f.seek(size)
+                f.truncate()
+                for chunk in resp.iter_bytes(1 << 16):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise DownloadError(
+                            f"bundle {ref.name}@{ref.version} is larger than the cap of {max_bytes} bytes"
+                        )
+                    f.write(chunk)
+                return resp
 
-        resp = self._call(fetch)
-        tmp = Path(resp.extensions["kctl_path"])
-        got = resp.extensions["kctl_sha"]
+        try:
+            resp = self._call(fetch)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        sha = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+        got = sha.hexdigest()
         header = resp.headers.get(DIGEST_HEADER)
         if got != ref.digest or (header is not None and header != ref.digest):
-            tmp.unlink(missing_ok=True)
+            Path(tmp).unlink(missing_ok=True)
             raise DownloadError(
                 f"bundle {ref.name}@{ref.version}: downloaded bytes have sha256 {got}, expected {ref.digest}"
                 + (f" (controller says {header})" if header and header != ref.digest else "")
             )
-        return tmp
+        return Path(tmp)

@@ -30,10 +30,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tenacity import Retrying, retry_if_exception_type
 
 from agents.cache import BundleCache, BundleRefused
-from agents.client import ControllerClient, ControllerError, DownloadError, TokenStore, Unreachable
-from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
+from agents.client import (
+    ControllerClient,
+    ControllerError,
+    DownloadError,
+    TokenStore,
+    Unreachable,
+    backoff_wait,
+)
+from agents.inventory import InventoryError, NodeInventory, collect_inventory, memory_free_fraction
 from agents.metrics import AgentMetrics
 from agents.outbox import Outbox, new_idempotency_key
 from agents.serve_gate import ServeVerdict, annotate, judge_trial
@@ -51,10 +61,21 @@ from kernelctl.wire import (
 log = logging.getLogger("kernelctl.agent")
 
 REFUSAL_RETRY_S = 300.0  # a refused download is tried again after this long (a fixed upload gets through)
-REGISTER_RETRY_S = 5.0
+REGISTER_RETRY_S = 5.0  # first registration retry after about this long (exponential backoff, jitter)
+REGISTER_BACKOFF_MAX_S = 120.0
 # while the controller is unreachable, trials of the last desired state go on for this long (then stop: a
 # rollback may have happened meanwhile)
 DESIRED_STATE_TTL_S = 600.0
+
+
+class InventoryRefused(Exception):
+    """The controller refused a field of the node's inventory (422): reported, collected again, retried."""
+
+
+def _log_register_retry(retry_state: Any) -> None:
+    exc = retry_state.outcome.exception() if retry_state.outcome else None
+    log.warning("registration failed (%s); retry %d in %.1fs", exc, retry_state.attempt_number,
+                retry_state.next_action.sleep if retry_state.next_action else 0.0)
 
 
 class AgentFatal(Exception):
@@ -114,6 +135,7 @@ class Agent:
         self.refused: dict[str, tuple[float, str]] = {}  # digest -> (when, reason)
         self._trial: _RunningTrial | None = None
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one outbox flush at a time (the main loop's, and shutdown's)
         self.metrics_port: int | None = None
         self._last_heartbeat_ok = -1e18
         self.generation: int | None = None  # of the last desired state applied (the watch sends it back)
@@ -185,11 +207,11 @@ class Agent:
                 self._wake.clear()
                 if self.stop_event.is_set() or self.client is None:
                     continue
+                self._flush()  # off the heartbeat path: a slow report never delays applying a reply
                 with self._lock:
                     if self._verdict_changed:  # a trial refused what serves (or cleared it): switch now
                         self._verdict_changed = False
                         self._report_now = self._apply(self.desired) or self._report_now
-                    self._flush()
                     if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
                         self._maybe_trial()
             return 0
@@ -223,42 +245,53 @@ class Agent:
 
     # ------------------------------------------------------------------------------- registration
     def _register(self) -> None:
+        """Register until it succeeds or the agent stops: a retryable answer (the controller unreachable, busy,
+        a lost reply) or a refused inventory (reported, collected again) is retried with exponential backoff
+        and jitter, never fatal; a refusal the agent cannot fix (a token that may not register this node) is."""
+        cfg = self.cfg
+        store = TokenStore(cfg.cache_dir)
+        if not (store.load(cfg.controller_url, cfg.node_name) or cfg.token):
+            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
+        key = store.registration_key(cfg.controller_url, cfg.node_name)  # persisted before the first attempt
+        retrying = Retrying(retry=retry_if_exception_type((Unreachable, InventoryRefused)),
+                            wait=backoff_wait(REGISTER_RETRY_S / 4, REGISTER_BACKOFF_MAX_S),
+                            stop=lambda _rs: self.stop_event.is_set(), sleep=self.stop_event.wait,
+                            before_sleep=_log_register_retry, reraise=True)
+        with contextlib.suppress(Unreachable, InventoryRefused):  # only when stopped meanwhile
+            retrying(self._register_once, store, key)
+
+    def _register_once(self, store: TokenStore, key: str) -> None:
         cfg, node = self.cfg, self.node
         assert node is not None
-        store = TokenStore(cfg.cache_dir)
         saved = store.load(cfg.controller_url, cfg.node_name)
-        candidates = [t for t in (saved, cfg.token) if t]
-        if not candidates:
-            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
-        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory)
-        while not self.stop_event.is_set():
-            last: ControllerError | None = None
-            for token in candidates:
-                client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
-                                          stop_event=self.stop_event)
-                try:
-                    reply = client.register(req)
-                except Unreachable as exc:
-                    client.close()
-                    last = exc
-                    break
-                except ControllerError as exc:
-                    client.close()
-                    last = exc
-                    if exc.status in (401, 403) and token is saved:
-                        log.warning("saved node token refused (%s); registering with the enrollment token", exc)
-                        continue
-                    raise AgentFatal(f"registration refused: {exc}") from exc
-                store.save(cfg.controller_url, cfg.node_name, reply.node_token)
-                self.client = client
-                self.heartbeat_seconds = reply.heartbeat_seconds
-                log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
-                         reply.heartbeat_seconds)
-                return
-            if isinstance(last, ControllerError) and not isinstance(last, Unreachable):
-                raise AgentFatal(f"registration refused: {last}")
-            log.warning("controller unreachable (%s); retrying registration in %.0fs", last, REGISTER_RETRY_S)
-            self.stop_event.wait(REGISTER_RETRY_S)
+        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory, registration_key=key)
+        for token in [t for t in (saved, cfg.token) if t]:
+            client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
+                                      stop_event=self.stop_event)
+            try:
+                reply = client.register(req)
+            except ControllerError as exc:
+                client.close()
+                if isinstance(exc, Unreachable):
+                    raise
+                if exc.status in (401, 403) and token is saved:
+                    log.warning("saved node token refused (%s); registering with the enrollment token", exc)
+                    continue
+                if exc.status == 422:  # a bad inventory field: reported, collected again, retried
+                    log.error("registration refused, inventory collected again before the retry: %s", exc)
+                    try:
+                        self.node = collect_inventory(cfg.inventory_overrides)
+                    except InventoryError as bad:  # still wrong here: reported, the retry waits for a fix
+                        log.error("%s", bad)
+                    raise InventoryRefused(str(exc)) from exc
+                raise AgentFatal(f"registration refused: {exc}") from exc
+            store.save(cfg.controller_url, cfg.node_name, reply.node_token)
+            self.client = client
+            self.heartbeat_seconds = reply.heartbeat_seconds
+            log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
+                     reply.heartbeat_seconds)
+            return
+        raise AgentFatal("registration refused: no token left to try")
 
     # --------------------------------------------------------------------------------------- tick
     def tick(self) -> bool:
@@ -278,7 +311,6 @@ class Agent:
                     client.close()
                     self.client = None
                     self._register()
-                self._flush()
                 if time.monotonic() - self._last_heartbeat_ok < DESIRED_STATE_TTL_S:
                     self._maybe_trial()  # keep measuring what was asked; reports wait in the outbox
             return False
@@ -288,10 +320,9 @@ class Agent:
             self.generation = reply.generation
             self.desired = list(reply.desired)
             switched = self._apply(self.desired)
-            flushed = self._flush()
-            # the next heartbeat reports the switch at once; an old controller (no generation) is polled
-            self._report_now = switched or (reply.generation is None and flushed > 0 and self._awaiting_serve())
+            self._report_now = switched  # the next heartbeat reports the switch at once
             self._maybe_trial()
+        self._wake.set()  # the main loop sends the outbox (never this watch thread)
         return True
 
     def _awaiting_serve(self) -> bool:
@@ -551,7 +582,12 @@ class Agent:
 
     # --------------------------------------------------------------------------------------- reports
     def _flush(self) -> int:
-        """Send pending reports; returns how many the controller acknowledged."""
+        """Send pending reports; returns how many the controller acknowledged. Called by the main loop only,
+        without ``_lock`` (the outbox is thread-safe): the watch thread never waits behind a slow report."""
+        with self._flushing:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
         if self.client is None or self.outbox is None:
             return 0
         client, outbox = self.client, self.outbox

@@ -11,17 +11,21 @@ Trial before serve: a new canary's assignment starts in phase ``staged`` (the he
 stable version active and asks for a trial of the candidate); :func:`mark_verified` (called by report
 ingestion) moves it to ``verified`` once a hard-gates-passed report of this node is accepted and its stratum
 has no hard failure; the next reply makes the candidate active, and the node reporting it active makes it
-``serving`` (:func:`advance_phases`, which also tags the node's activation with the rollout and the time its
-trial was accepted). A plan with ``serve_before_trial`` serves the candidate at once (staged -> serving).
-Rollback and promotion clear the phase.
+``serving`` (the heartbeat rule, ``controller.desired.effects.heartbeat_effects``, applied here by
+:func:`advance_phases`, which also tags the node's activation with the rollout and the time its trial was
+accepted). A node reporting an unverified candidate active is refused (a security event; the phase stays). A
+plan with ``serve_before_trial`` serves the candidate at once (staged -> serving). Rollback and promotion clear
+the phase. Every write here that changes desired state declares it (``controller.desired.generation.changed``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import logging
 import math
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,11 +42,14 @@ from controller.compat import (
     node_stratum,
 )
 from controller.db.models import Activation, Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
+from controller.desired.effects import UNVERIFIED_SERVE, AssignmentView, RowFacts, heartbeat_effects
+from controller.desired.generation import PatchRow, changed
 from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
 from kernelctl.vocab import CANARY_PHASES, stratum_key
 
 CPU_CUDA = frozenset({"", "none", "unknown", "cpu"})
+log = logging.getLogger(__name__)
 
 
 def canary_rank(rollout_id: int, node_name: str) -> str:
@@ -162,6 +169,7 @@ def _set_candidate(session: Session, node_ids: list[int], rollout: Rollout, base
                    now: dt.datetime) -> None:
     if not node_ids:
         return
+    changed(session)
     name = rollout.bundle.name
     existing = set(session.scalars(select(Assignment.node_id).where(
         Assignment.bundle_name == name, Assignment.node_id.in_(node_ids))))
@@ -178,18 +186,25 @@ def _set_candidate(session: Session, node_ids: list[int], rollout: Rollout, base
 
 
 def revert_to_stable(session: Session, rollout_id: int, strata: set[str] | None, *, now: dt.datetime) -> int:
-    """Switch canaries of a rollout (all, or those in ``strata``) back to their stable version at once."""
+    """Switch canaries of a rollout (all, or those in ``strata``) back to their stable version at once.
+
+    Declares the rows it switched (``controller.desired.generation.changed``): replicas patch them into their
+    snapshot, so a rollback wakes its canaries' watches without a reload."""
     stmt = update(Assignment).where(Assignment.rollout_id == rollout_id)
     if strata is not None:
         ids = [nid for nid, s in rollout_canaries(session, rollout_id).items() if s in strata]
         if not ids:
             return 0
         stmt = stmt.where(Assignment.node_id.in_(ids))
-    res = session.execute(
+    reverted = session.execute(
         stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, phase=None, phase_at=now,
-                    updated_at=now),
-        execution_options={"synchronize_session": False})
-    return int(res.rowcount or 0)
+                    updated_at=now).returning(Assignment.node_id, Assignment.bundle_name, Assignment.stable_bundle_id),
+        execution_options={"synchronize_session": False}).all()
+    rows: dict[int, dict[str, PatchRow]] = {}
+    for nid, name, stable in reverted:
+        rows.setdefault(nid, {})[name] = PatchRow(AssignmentView(name, stable, stable, None, None))
+    changed(session, rows=rows)
+    return len(reverted)
 
 
 def make_stable(session: Session, rollout: Rollout, stratum: str, *, now: dt.datetime,
@@ -208,6 +223,7 @@ def make_stable(session: Session, rollout: Rollout, stratum: str, *, now: dt.dat
     fleet = cached_fleet(session) if fleet is None else fleet
     ids += [n.id for n in fleet if n.stratum == stratum and node_rejection(targets, n) is None]
     ids = sorted(set(ids))
+    changed(session)
     if not ids:
         return 0
     values = {"stable_bundle_id": bundle.id, "desired_bundle_id": bundle.id, "rollout_id": None, "phase": None,
@@ -267,31 +283,73 @@ def _sync_stable(session: Session, node: Node, rows: dict[str, Assignment], now:
         a.stable_bundle_id = bid
         a.desired_bundle_id = bid
         a.updated_at = now
+        changed(session)
 
 
-def advance_phases(session: Session, node: Node, rows: dict[str, Assignment], now: dt.datetime) -> None:
-    """Follow what the node reports active: a canary whose candidate it runs is ``serving``.
+def trial_first(session: Session, rollout_ids: set[int]) -> dict[int, bool]:
+    """rollout id -> whether its plan needs a verified trial before a canary serves (not ``serve_before_trial``)."""
+    if not rollout_ids:
+        return {}
+    return {rid: not load_plan(plan).serve_before_trial
+            for rid, plan in session.execute(select(Rollout.id, Rollout.plan).where(Rollout.id.in_(rollout_ids)))}
 
-    Called on every heartbeat after the reported versions were stored. A candidate that becomes serving tags
-    the node's open activation with its rollout and the time its pre-serve trial was accepted (None when the
-    plan served it before its trial), so the audit tells a verified serve from an unverified one. A node that
-    stops reporting a serving candidate (a restart that lost its state) falls back to ``verified``: it may
-    serve it, and the next reply asks it to.
+
+def advance_phases(session: Session, node: Node, rows: dict[str, Assignment], reported: Mapping[str, int | None],
+                   now: dt.datetime) -> None:
+    """The single-row writer of :func:`controller.desired.effects.heartbeat_effects`: store what the node
+    reports active (``reported``: bundle name -> bundle id) and the canary phase that follows from it.
+
+    A switch closes the open ``activations`` row and opens one (event ``assignment.activated`` or
+    ``deactivated``); a candidate that becomes serving tags its activation with the rollout and the time its
+    pre-serve trial was accepted (None when the plan served it before its trial), so the audit tells a
+    verified serve from an unverified one. A claim the rule refuses (an unverified candidate reported active)
+    is written as a ``security.unverified_serve`` event and logged; the phase stays.
     """
-    for a in rows.values():
-        if a.rollout_id is None or a.desired_bundle_id is None or a.desired_bundle_id == a.stable_bundle_id:
+    plans = trial_first(session, {a.rollout_id for a in rows.values() if a.rollout_id is not None})
+    facts = {name: RowFacts(name, a.active_bundle_id, a.desired_bundle_id, a.stable_bundle_id, a.rollout_id, a.phase,
+                            a.phase_at, plans.get(a.rollout_id, True) if a.rollout_id is not None else True)
+             for name, a in rows.items()}
+    effects = heartbeat_effects(facts, reported, now)
+    refs: dict[int, str] = {}
+
+    def ref(bid: int | None) -> str | None:
+        if bid is None:
+            return None
+        if bid not in refs:
+            b = session.get(Bundle, bid)
+            refs[bid] = b.ref if b is not None else str(bid)
+        return refs[bid]
+
+    actor = f"node:{node.name}"
+    for name, e in effects.rows.items():
+        a = rows[name]
+        if e.refused:
+            log.warning("security: %s: %s", actor, e.refused)
+            record_event(session, actor=actor, action=UNVERIFIED_SERVE, subject=actor, node=node.name,
+                         bundle=ref(e.row.active_id), rollout_id=a.rollout_id, reason=e.refused)
+        if not e.changed:
             continue
-        runs = a.active_bundle_id == a.desired_bundle_id
-        if runs and a.phase != "serving":
-            verified_at = a.phase_at if a.phase == "verified" else None
-            a.phase, a.phase_at = "serving", now
+        changed(session)
+        a.phase, a.phase_at = e.row.phase, e.row.phase_at
+        if e.switched:
+            a.active_bundle_id, a.updated_at = e.row.active_id, now
+            session.execute(update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == name,
+                                                     Activation.ended_at.is_(None)).values(ended_at=now),
+                            execution_options={"synchronize_session": False})
+            if e.row.active_id is not None:
+                rid, vat = e.tag if e.tag is not None else (None, None)
+                session.add(Activation(node_id=node.id, bundle_id=e.row.active_id, bundle_name=name, started_at=now,
+                                       rollout_id=rid, verified_at=vat))
+                record_event(session, actor=actor, action="assignment.activated", subject=actor,
+                             bundle=ref(e.row.active_id), node=node.name, payload={"previous": ref(e.previous_id)})
+            else:
+                record_event(session, actor=actor, action="assignment.deactivated", subject=actor,
+                             bundle=ref(e.previous_id), node=node.name, payload={})
+        elif e.tag is not None:
             session.execute(
-                update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == a.bundle_name,
-                                         Activation.bundle_id == a.desired_bundle_id, Activation.ended_at.is_(None))
-                .values(rollout_id=a.rollout_id, verified_at=verified_at),
-                execution_options={"synchronize_session": False})
-        elif not runs and a.phase == "serving":
-            a.phase, a.phase_at = "verified", now
+                update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == name,
+                                         Activation.bundle_id == e.row.active_id, Activation.ended_at.is_(None))
+                .values(rollout_id=e.tag[0], verified_at=e.tag[1]), execution_options={"synchronize_session": False})
 
 
 def mark_verified(session: Session, node: Node, rollout_ids: set[int], now: dt.datetime) -> list[int]:
@@ -314,34 +372,29 @@ def mark_verified(session: Session, node: Node, rollout_ids: set[int], now: dt.d
                RolloutStratum.state.in_(("progressing", "paused")))
     ).all()
     done: list[int] = []
+    patch: dict[str, PatchRow] = {}
     for a, name, version in rows:
         a.phase, a.phase_at, a.updated_at = "verified", now, now
         done.append(int(a.rollout_id))  # type: ignore[arg-type]
+        patch[a.bundle_name] = PatchRow(AssignmentView(a.bundle_name, a.desired_bundle_id, a.stable_bundle_id,
+                                                       a.rollout_id, "verified"))
         record_event(session, actor=f"node:{node.name}", action="assignment.verified", subject=f"node:{node.name}",
                      bundle=f"{name}@{version}", node=node.name, rollout_id=a.rollout_id,
                      reason="pre-serve trial passed the hard gates on this node: it may serve the candidate")
+    if patch:
+        changed(session, rows={node.id: patch})
     return done
 
 
-@dataclass(frozen=True)
-class AssignmentView:
-    """What the desired state of one bundle on a node depends on (a row of ``assignments``)."""
-
-    bundle_name: str
-    desired_id: int | None
-    stable_id: int | None
-    rollout_id: int | None
-    phase: str | None
-
-
-def build_desired(rows: list[AssignmentView], *, refs: dict[int, wire.BundleRef], manifests: dict[int, dict[str, Any]],
-                  plans: dict[int, PlanSpec], strata_state: dict[int, str], stratum: str,
+def build_desired(rows: list[AssignmentView], *, refs: Mapping[int, wire.BundleRef],
+                  manifests: Mapping[int, dict[str, Any]], plans: Mapping[int, PlanSpec],
+                  strata_state: Mapping[int, str], stratum: str,
                   cpu: bool) -> list[wire.DesiredBundle]:
     """The heartbeat reply's desired state from a node's assignment rows (pure: no database).
 
     ``refs``/``manifests``: bundle id -> reference / manifest; ``plans``: rollout id -> plan of a live rollout;
     ``strata_state``: rollout id -> state of the node's stratum in that rollout. Shared by the database path
-    (:func:`desired_state`) and the per-generation cache of ``controller.watch``, so both answer the same.
+    (:func:`desired_state`) and the per-generation snapshot of ``controller.desired``, so both answer the same.
     """
     out: list[wire.DesiredBundle] = []
     for a in sorted(rows, key=lambda r: r.bundle_name):
@@ -381,7 +434,6 @@ def desired_state(session: Session, node: Node, *, now: dt.datetime | None = Non
     if rows is None:
         rows = {a.bundle_name: a for a in session.scalars(select(Assignment).where(Assignment.node_id == node.id))}
     _sync_stable(session, node, rows, now)
-    advance_phases(session, node, rows, now)
     ids = {i for a in rows.values() for i in (a.desired_bundle_id, a.stable_bundle_id) if i is not None}
     bundles = {i: b for i in ids if (b := session.get(Bundle, i)) is not None}  # identity map first
     rollout_ids = {a.rollout_id for a in rows.values() if a.rollout_id is not None}

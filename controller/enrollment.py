@@ -1,17 +1,24 @@
-"""Registration of many nodes in one transaction, set-based: what ``POST /v1/agents/register`` commits.
+"""Node registration, written once: what ``POST /v1/agents/register`` commits, for one request or a batch.
 
-:func:`register_many` does for a batch what ``registry.register_node`` + ``auth.issue_node_token`` do for one
-registration, with the same rows and changelog events, in a handful of statements for the whole batch: the
-new nodes in one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` (a name another replica inserted first is a
-Conflict for that request only), the earlier tokens of those names revoked in one ``UPDATE ... RETURNING``,
-the new tokens in one ``INSERT ... RETURNING`` and every event in one bulk insert. Re-registrations of nodes
-that exist (a node token) take the one-by-one path in a savepoint each. An item refused on its own gets its
-exception back; the others commit. Called through :class:`controller.group_commit.GroupCommit`.
+:func:`register_many` registers a batch in one transaction, set-based: the new nodes in one ``INSERT ... ON
+CONFLICT DO NOTHING RETURNING`` (a name another replica inserted first is a Conflict for that request only),
+the earlier tokens of those names revoked in one ``UPDATE ... RETURNING``, the new tokens in one ``INSERT ...
+RETURNING`` and every event in one bulk insert. Re-registrations of nodes that exist (the node's own token,
+or a retry that proves it is the same agent, below) take the one-by-one path in a savepoint each.
+:func:`register_node` is a batch of one. An item refused on its own (its row does not fit the columns, an
+enrollment token naming an existing node) gets its exception back; the others commit.
+
+Idempotent retry: an agent generates a random registration key and keeps it on disk before its first attempt;
+the node stores its SHA-256. A retry whose reply was lost (the server committed, the agent timed out) sends the
+same key with the enrollment token and gets the same node with a fresh token (the lost one is revoked). An
+enrollment token without that key still cannot take over an existing node.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +27,29 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from controller.auth import TOKEN_PREFIX, Principal, hash_token, issue_node_token, minted_expiry
-from controller.changelog import event_row
+from controller.auth import TOKEN_PREFIX, hash_token, issue_node_token, minted_expiry
+from controller.changelog import event_row, record_event
+from controller.db.fit import row_problem
 from controller.db.models import ApiToken, Event, Node, utcnow
-from controller.errors import Conflict
-from controller.registry import already_registered, register_node
+from controller.desired.generation import changed
+from controller.errors import Conflict, Invalid
 from kernelctl import wire
 
 
 @dataclass(frozen=True)
 class Registration:
-    """One register request and who sent it (the API checked that the token may register this node)."""
+    """One register request: who sent it (the API checked that the token may register this node) and whether
+    that token registers new nodes only (an enrollment token)."""
 
     req: wire.RegisterRequest
-    principal: Principal
+    actor: str
+    new_only: bool
+    minted_by: int | None = None  # the id of the token that registers: the node token expires no later
+
+    @property
+    def key_hash(self) -> str | None:
+        key = self.req.registration_key
+        return hashlib.sha256(key.encode()).hexdigest() if key else None
 
 
 @dataclass(frozen=True)
@@ -44,29 +60,54 @@ class Registered:
     token_id: int | None = None  # the new token's id when known (the API caches its principal at once)
 
 
+def already_registered(node_name: str) -> Conflict:
+    """What an enrollment token gets for a node that exists (it registers new nodes only)."""
+    return Conflict(
+        f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
+        f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
+        f"--node {node_name})")
+
+
+def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
+                  *, now: dt.datetime | None = None, new_only: bool = False) -> Node:
+    """Register one node (a batch of one); returns it. Raises what the batch would answer for it."""
+    (done,) = register_many(session, [Registration(wire.RegisterRequest(node_name=node_name, inventory=inventory),
+                                                   actor, new_only)], now)
+    if isinstance(done, Exception):
+        raise done
+    node = session.get(Node, done.node_id)
+    assert node is not None
+    return node
+
+
 def register_many(session: Session, items: list[Registration], now: dt.datetime | None = None
                   ) -> list[Registered | Exception]:
     """Register every item (see the module docstring); one result per item, in order."""
     now = now or utcnow()
     out: list[Registered | Exception | None] = [None] * len(items)
     names = {it.req.node_name for it in items}
-    existing = set(session.scalars(select(Node.name).where(Node.name.in_(names))))
+    existing = dict(session.execute(select(Node.name, Node.registration_key_hash).where(Node.name.in_(names))).all())
     fresh: dict[str, int] = {}  # node name -> index of the item that creates it
     one_by_one: list[int] = []
     for i, it in enumerate(items):
         name = it.req.node_name
-        if name in existing or name in fresh:
-            if it.principal.is_enrollment:
+        row = _node_row(it, now)
+        problem = row_problem(Node.__table__, row)
+        if problem is not None:  # what the database would refuse, refused for this item only
+            out[i] = Invalid(f"registration of {name} refused: {problem}")
+        elif name in existing or name in fresh:
+            same_agent = it.key_hash is not None and name in existing and existing[name] is not None \
+                and hmac.compare_digest(existing[name], it.key_hash)
+            if it.new_only and not same_agent:
                 out[i] = already_registered(name)
             else:
                 one_by_one.append(i)
         else:
             fresh[name] = i
-    conn = session.connection()  # Core statements: a new node is not a change of desired state (no bump)
+    conn = session.connection()  # a new node is not a change of desired state (no bump)
     if fresh:
         dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-        rows = [{"name": name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
-                 **items[i].req.inventory.model_dump()} for name, i in fresh.items()]
+        rows = [_node_row(items[i], now) for i in fresh.values()]
         # executemany with RETURNING (SQLAlchemy's insertmanyvalues): one compiled statement whatever the batch
         ids = {n: nid for nid, n in conn.execute(
             dialect.insert(Node).on_conflict_do_nothing(index_elements=["name"])
@@ -78,40 +119,74 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
         if created:
             _tokens_for(conn, items, created, ids, now, out)
     for i in one_by_one:
-        it = items[i]
         try:
             with session.begin_nested():
-                node = register_node(session, it.req.node_name, it.req.inventory, actor=it.principal.actor,
-                                     now=now)
-                token = issue_node_token(session, it.req.node_name, actor=it.principal.actor,
-                                         minted_by=it.principal.token_id)
-                out[i] = Registered(node.id, token, new=False)
+                out[i] = _reregister(session, items[i], now)
         except Exception as exc:  # this request only: its savepoint is rolled back, the batch goes on
             out[i] = exc
     return [r if r is not None else Conflict("registration not processed") for r in out]
 
 
+def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
+    return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
+            "registration_key_hash": it.key_hash, **it.req.inventory.model_dump()}
+
+
+def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registered:
+    """An existing node registers again: inventory updated, active again, a fresh token (earlier ones revoked)."""
+    node = session.scalar(select(Node).where(Node.name == it.req.node_name).with_for_update())
+    if node is None:
+        raise Conflict(f"node {it.req.node_name} was removed concurrently; retry")
+    apply_inventory(session, node, it.req.inventory, actor=it.actor)
+    node.last_heartbeat_at = now
+    mark_active(session, node, actor=it.actor)
+    token = issue_node_token(session, node.name, actor=it.actor, minted_by=it.minted_by)
+    return Registered(node.id, token, new=False)
+
+
+def apply_inventory(session: Session, node: Node, inventory: wire.Inventory, *, actor: str) -> bool:
+    """Store a changed inventory (event ``node.inventory_changed``); False when nothing changed."""
+    new = inventory.model_dump()
+    diff = {k: {"from": getattr(node, k), "to": v} for k, v in new.items() if getattr(node, k) != v}
+    if not diff:
+        return False
+    for k in diff:
+        setattr(node, k, new[k])
+    changed(session)
+    record_event(session, actor=actor, action="node.inventory_changed", subject=f"node:{node.name}",
+                 node=node.name, payload=diff)
+    return True
+
+
+def mark_active(session: Session, node: Node, *, actor: str) -> None:
+    if node.state != "active":
+        node.state = "active"
+        changed(session)
+        record_event(session, actor=actor, action="node.active", subject=f"node:{node.name}", node=node.name,
+                     reason="heartbeat received")
+
+
 def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], ids: dict[str, int],
                 now: dt.datetime, out: list[Registered | Exception | None]) -> None:
     """Node tokens for newly created nodes (earlier tokens bound to the name revoked), and their events."""
-    events = [event_row(at=now, actor=items[i].principal.actor, action="node.registered", subject=f"node:{name}",
+    events = [event_row(at=now, actor=items[i].actor, action="node.registered", subject=f"node:{name}",
                         node=name, payload=items[i].req.inventory.model_dump()) for name, i in created.items()]
     revoked: dict[str, list[int]] = {}
     for tid, node, tname, role in conn.execute(
             update(ApiToken).where(ApiToken.node_name.in_(list(created)), ApiToken.revoked_at.is_(None))
             .values(revoked_at=now).returning(ApiToken.id, ApiToken.node_name, ApiToken.name, ApiToken.role)):
         revoked.setdefault(node, []).append(tid)
-        events.append(event_row(at=now, actor=items[created[node]].principal.actor, action="token.revoked",
+        events.append(event_row(at=now, actor=items[created[node]].actor, action="token.revoked",
                                 subject=f"token:{tid}", node=node, payload={"name": tname, "role": role},
                                 reason="superseded by a new node token"))
     plain = {name: TOKEN_PREFIX + secrets.token_urlsafe(32) for name in created}
-    expiry = minted_expiry(conn, [items[i].principal.token_id for i in created.values()])  # never outlives its minter
-    expires = {name: expiry[items[i].principal.token_id] for name, i in created.items()}
+    expiry = minted_expiry(conn, [items[i].minted_by for i in created.values()])  # never outlives its minter
+    expires = {name: expiry[items[i].minted_by] for name, i in created.items()}
     token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name, "expires_at": expires[name],
                    "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
     for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
                                                              sort_by_parameter_order=True), token_rows):
-        actor = items[created[node]].principal.actor
+        actor = items[created[node]].actor
         events.append(event_row(at=now, actor=actor, action="token.created", subject=f"token:{tid}", node=node,
                                 payload={"name": f"node:{node}"[:128], "role": "agent", "node": node,
                                          "expires_at": expires[node].isoformat() if expires[node] else None}))

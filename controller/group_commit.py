@@ -4,8 +4,10 @@
 worker thread for everything queued so far: while one batch is being written the next one accumulates, so a
 quiet controller writes each request at once and a loaded one writes hundreds per transaction (set-based
 statements: ``controller.enrollment``, ``controller.switches``). ``write`` returns one result per item, an
-exception instance for an item refused on its own (the others still commit); an exception raised by ``write``
-fails the whole batch (nothing was committed). More than ``max_queued`` items waiting raise
+exception instance for an item refused on its own (the others still commit). When ``write`` raises for a
+batch (nothing was committed) because the database refused something in it, each item is written again on its
+own, so a row the database refuses fails only its own request; a database that is down (``OperationalError``)
+fails the batch alike. More than ``max_queued`` items waiting raise
 :class:`~controller.errors.Overloaded` (503 + Retry-After) at once instead of queueing without bound.
 """
 
@@ -18,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from sqlalchemy.exc import OperationalError
+
 from controller.errors import Overloaded
 
 Item = TypeVar("Item")
@@ -27,11 +31,9 @@ class GroupCommit(Generic[Item]):
     """One queue and one writer task (see the module docstring); start it inside the running event loop."""
 
     def __init__(self, name: str, write: Callable[[list[Item]], Sequence[Any]], *, max_batch: int = 500,
-                 max_queued: int = 5000, metrics: Any = None,
-                 on_done: Callable[[list[Item], Sequence[Any]], None] | None = None) -> None:
+                 max_queued: int = 5000, metrics: Any = None) -> None:
         self.name = name
         self.write = write
-        self.on_done = on_done  # called in the event loop with each committed batch, before its requests resume
         self.max_batch = max_batch
         self.max_queued = max_queued
         self.metrics = metrics
@@ -68,6 +70,23 @@ class GroupCommit(Generic[Item]):
         self._wake.set()
         return await fut
 
+    def _write_isolated(self, items: list[Item]) -> Sequence[Any]:
+        """(worker thread) ``write(items)``; when the database refuses the batch, each item on its own."""
+        try:
+            return self.write(items)
+        except OperationalError as exc:  # the database is unavailable: every request fails alike
+            return [exc] * len(items)
+        except Exception as exc:
+            if len(items) == 1:
+                return [exc]
+        out: list[Any] = []
+        for item in items:
+            try:
+                out.extend(self.write([item]))
+            except Exception as exc:  # this item's own refusal
+                out.append(exc)
+        return out
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -78,15 +97,7 @@ class GroupCommit(Generic[Item]):
                 if not live:
                     continue
                 started = time.perf_counter()
-                try:
-                    results = await asyncio.to_thread(self.write, [item for item, _ in live])
-                except Exception as exc:  # nothing of this batch was committed: every request fails alike
-                    for _item, fut in live:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                if self.on_done is not None:
-                    self.on_done([item for item, _ in live], results)
+                results = await asyncio.to_thread(self._write_isolated, [item for item, _ in live])
                 if self.metrics is not None:
                     self.metrics.group_commit.labels(self.name).observe(time.perf_counter() - started)
                     self.metrics.group_commit_items.labels(self.name).observe(len(live))

@@ -39,7 +39,6 @@ from kernelctl import wire
 LIVE = ("progressing", "paused", "pending")
 CANARY_LIVE = ("progressing", "paused")  # a rollout (and stratum) with canaries that may report
 UNVERIFIED = ("staged", None)  # assignment phases mark_verified moves on
-VERIFIED = "kctl_verified_rollouts"  # session.info: rollouts whose canary on this node this transaction verified
 
 
 COLUMNS = ("idempotency_key", "node_id", "rollout_id", "stratum", "bundle_id", "stable_bundle_id", "outcome",
@@ -255,7 +254,5 @@ def _verify_canaries(session: Session, node: Node, new: list[dict[str, Any]], fa
     Skipped for rollouts where the node's assignment (as read with the batch) is already past ``staged``."""
     bad = {row["rollout_id"] for row in new if row["outcome"] != "ok"}
     ok = {row["rollout_id"] for row in new if row["outcome"] == "ok"} - bad
-    done = mark_verified(session, node, {rid for rid in ok if facts[rid].assigned and facts[rid].phase in UNVERIFIED},
-                         now)
-    if done:  # the API patches its replica's snapshot with them after the commit (controller.watch)
-        session.info.setdefault(VERIFIED, []).extend(done)
+    # mark_verified declares the rows it verified: replicas patch them in (the node's watch answers at once)
+    mark_verified(session, node, {rid for rid in ok if facts[rid].assigned and facts[rid].phase in UNVERIFIED}, now)

@@ -129,7 +129,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        # push of desired state (controller.watch): heartbeat time without the long-poll hold, reloads, batches
+        # push of desired state (controller.desired): heartbeat time without the long-poll hold, reloads, batches
         self.heartbeat_service = Histogram(
             "kernelctl_heartbeat_service_seconds",
             "Heartbeat handling time excluding the watch (long-poll) hold, by path (fast: from the snapshot; "

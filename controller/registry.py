@@ -10,22 +10,21 @@ import datetime as dt
 import json
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from controller.assignments import desired_state
+from controller.assignments import advance_phases, desired_state
 from controller.changelog import record_event
-from controller.db.models import Activation, Assignment, Bundle, BundleTarget, Node, utcnow
+from controller.db.models import Assignment, Bundle, BundleTarget, Node, utcnow
+from controller.desired.generation import changed
+from controller.enrollment import apply_inventory, mark_active, register_node  # noqa: F401 - register_node re-exported
 from controller.errors import Conflict, Invalid, NotFound
 from kernelctl import wire
 from kernelctl.settings import get_settings
 from kernelpack.archive import DEFAULT_LIMITS, Limits
 from kernelpack.errors import BundleError
 from kernelpack.verify import TrustedKeys, verify_bytes
-
-INVENTORY_FIELDS = ("gpu_name", "compute_capability", "arch", "driver_version", "cuda_version", "triton_version",
-                    "torch_version", "memory_total_mb", "labels")
 
 
 def _insert(session: Session, row: object, conflict: str) -> None:
@@ -83,56 +82,6 @@ def upload_limits(*, max_bundle_bytes: int, max_uncompressed_bytes: int, max_fil
                   max_total_bytes=max_uncompressed_bytes, max_members=max_files, max_archive_bytes=max_bundle_bytes)
 
 
-def already_registered(node_name: str) -> Conflict:
-    """What an enrollment token gets for a node that exists (it registers new nodes only)."""
-    return Conflict(
-        f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
-        f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
-        f"--node {node_name})")
-
-
-def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
-                  *, now: dt.datetime | None = None, new_only: bool = False) -> Node:
-    """Create the node, or update its inventory (event ``node.inventory_changed`` only when it changed).
-
-    ``new_only`` (an enrollment token is registering): an existing node is a Conflict, nothing changes.
-    """
-    now = now or utcnow()
-    node = session.scalar(select(Node).where(Node.name == node_name))
-    if node is not None and new_only:
-        raise already_registered(node_name)
-    if node is None:
-        node = Node(name=node_name, registered_at=now, last_heartbeat_at=now, state="active",
-                    **inventory.model_dump())
-        _insert(session, node, f"node {node_name} was registered concurrently; nothing was changed")
-        record_event(session, actor=actor, action="node.registered", subject=f"node:{node_name}", node=node_name,
-                     payload=inventory.model_dump())
-        return node
-    apply_inventory(session, node, inventory, actor=actor)
-    node.last_heartbeat_at = now
-    _mark_active(session, node, actor=actor)
-    return node
-
-
-def apply_inventory(session: Session, node: Node, inventory: wire.Inventory, *, actor: str) -> bool:
-    new = inventory.model_dump()
-    changed = {k: {"from": getattr(node, k), "to": v} for k, v in new.items() if getattr(node, k) != v}
-    if not changed:
-        return False
-    for k in changed:
-        setattr(node, k, new[k])
-    record_event(session, actor=actor, action="node.inventory_changed", subject=f"node:{node.name}",
-                 node=node.name, payload=changed)
-    return True
-
-
-def _mark_active(session: Session, node: Node, *, actor: str) -> None:
-    if node.state != "active":
-        node.state = "active"
-        record_event(session, actor=actor, action="node.active", subject=f"node:{node.name}", node=node.name,
-                     reason="heartbeat received")
-
-
 def get_node(session: Session, node_name: str) -> Node:
     node = session.scalar(select(Node).where(Node.name == node_name))
     if node is None:
@@ -148,7 +97,7 @@ def heartbeat(session: Session, req: wire.HeartbeatRequest, now: dt.datetime,
     if req.inventory is not None:
         apply_inventory(session, node, req.inventory, actor=actor)
     node.last_heartbeat_at = now
-    _mark_active(session, node, actor=actor)
+    mark_active(session, node, actor=actor)
     rows = record_reported(session, node, staged=req.staged, active=req.active, now=now)
     desired = desired_state(session, node, now=now, rows=rows)
     return wire.HeartbeatResponse(
@@ -159,9 +108,8 @@ def heartbeat(session: Session, req: wire.HeartbeatRequest, now: dt.datetime,
 
 def record_reported(session: Session, node: Node, *, staged: list[wire.BundleRef], active: list[wire.BundleRef],
                     now: dt.datetime) -> dict[str, Assignment]:
-    """Store the node's staged/active versions (full snapshots); activation history on every change.
-
-    Returns the node's assignments by bundle name (including rows created here).
+    """Store the node's staged versions and apply what it reports active (``assignments.advance_phases``: the
+    heartbeat rule's single-row writer). Returns the node's assignments by bundle name (rows created here too).
     """
     names = {r.name for r in staged} | {r.name for r in active}
     rows = {a.bundle_name: a for a in session.scalars(select(Assignment).where(Assignment.node_id == node.id))}
@@ -180,40 +128,20 @@ def record_reported(session: Session, node: Node, *, staged: list[wire.BundleRef
     for r in staged:
         if resolve(r) is not None:
             staged_by_name.setdefault(r.name, []).append(r.version)
-    active_by_name: dict[str, tuple[int, str]] = {}
+    reported: dict[str, int | None] = {}
     for r in active:
         bid = resolve(r)
         if bid is not None:
-            active_by_name[r.name] = (bid, r.version)
-    for name in sorted(set(rows) | set(staged_by_name) | set(active_by_name)):
+            reported[r.name] = bid
+    for name in sorted(set(rows) | set(staged_by_name) | set(reported)):
         a = rows.get(name)
         versions = {"versions": sorted(staged_by_name.get(name, []))}
-        new_active = active_by_name.get(name)
         if a is None:
             a = Assignment(node_id=node.id, bundle_name=name, staged={"versions": []}, updated_at=now)
             session.add(a)
             rows[name] = a
+            changed(session)
         if (a.staged or {}) != versions:
-            a.staged = versions
-        new_id = new_active[0] if new_active else None
-        if a.active_bundle_id == new_id:
-            continue
-        previous = a.active_bundle_id
-        a.active_bundle_id = new_id
-        a.updated_at = now
-        session.execute(update(Activation).where(Activation.node_id == node.id, Activation.bundle_name == name,
-                                                 Activation.ended_at.is_(None)).values(ended_at=now),
-                        execution_options={"synchronize_session": False})
-        prev_ref = None
-        if previous is not None:
-            pb = session.get(Bundle, previous)
-            prev_ref = pb.ref if pb else None
-        if new_active is not None:
-            ref = f"{name}@{new_active[1]}"
-            session.add(Activation(node_id=node.id, bundle_id=new_id, bundle_name=name, started_at=now))
-            record_event(session, actor=f"node:{node.name}", action="assignment.activated", subject=f"node:{node.name}",
-                         bundle=ref, node=node.name, payload={"previous": prev_ref})
-        else:
-            record_event(session, actor=f"node:{node.name}", action="assignment.deactivated",
-                         subject=f"node:{node.name}", bundle=prev_ref, node=node.name, payload={})
+            a.staged = versions  # informational: not desired state
+    advance_phases(session, node, rows, reported, now)
     return rows

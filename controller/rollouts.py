@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -33,12 +33,14 @@ from controller.contract import ContractChange, contract_changes
 from controller.db.models import (
     Bundle,
     Incompatibility,
+    RollbackIntent,
     Rollout,
     RolloutStep,
     RolloutStratum,
     StableVersion,
     utcnow,
 )
+from controller.desired.generation import changed
 from controller.errors import ConcurrentWrite, Conflict, Invalid, NotFound
 from controller.plan import PlanSpec, load_plan
 from controller.providers import op_clashes
@@ -103,6 +105,11 @@ def guarded(fn: F) -> F:
             raise ConcurrentWrite(what) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _strata_changed(session: Session, rollout: Rollout, rows: list[RolloutStratum]) -> None:
+    """These strata's states changed: declared for the replicas' snapshots (``controller.desired.generation``)."""
+    changed(session, strata={(rollout.id, r.stratum): r.state for r in rows})
 
 
 def _touch(rollout: Rollout, now: dt.datetime) -> None:
@@ -231,6 +238,7 @@ def start_rollout(
     ]
     session.add(rollout)
     flush(session, f"bundle {bundle.ref}")
+    _strata_changed(session, rollout, rollout.strata)
     _event(session, rollout, "rollout.started", actor=actor, reason=reason, payload={
         "strata": {s: {"eligible": len(eligible[s]), "baseline": _ref_of(session, stable.get(s))} for s in chosen},
         "excluded": excluded, "forced": force, "plan": rollout.plan,
@@ -254,6 +262,7 @@ def begin(session: Session, rollout: Rollout, *, actor: str, now: dt.datetime, r
     rows = [s for s in rollout.strata if s.state == PENDING]
     for s in rows:
         s.state, s.step_index, s.step_started_at = PROGRESSING, 0, now
+    _strata_changed(session, rollout, rows)
     sized = assignments.assign_step(session, rollout, rows, load_plan(rollout.plan), now=now)
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -271,6 +280,7 @@ def advance_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
         return "promote", None
     row.step_index += 1
     row.state, row.step_started_at = PROGRESSING, now
+    _strata_changed(session, rollout, [row])
     sized = assignments.assign_step(session, rollout, [row], plan, now=now)[row.stratum]
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -284,6 +294,7 @@ def promote_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, 
     """The candidate becomes the stable version of this stratum."""
     before = rollout.state
     row.state, row.reason = PROMOTED, reason
+    _strata_changed(session, rollout, [row])
     nodes = assignments.make_stable(session, rollout, row.stratum, now=now)
     _sync_summary(rollout)
     _event(session, rollout, "rollout.stratum_promoted", actor=actor, reason=reason,
@@ -300,6 +311,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
     before = rollout.state
     for r in rows:
         r.state, r.reason = ROLLED_BACK, reason
+    _strata_changed(session, rollout, rows)
     everything = all(s.state in TERMINAL_STATES for s in rollout.strata) and not any(
         s.state == PROMOTED for s in rollout.strata)
     reverted = assignments.revert_to_stable(session, rollout.id, None if everything else names, now=now)
@@ -320,6 +332,7 @@ def rollback_strata(session: Session, rollout: Rollout, rows: list[RolloutStratu
 def pause_stratum(session: Session, rollout: Rollout, row: RolloutStratum, *, actor: str, reason: str,
                   now: dt.datetime) -> None:
     row.state, row.reason = PAUSED, reason
+    _strata_changed(session, rollout, [row])
     before = rollout.state
     _sync_summary(rollout)
     _touch(rollout, now)
@@ -375,6 +388,33 @@ def where(step_index: int) -> str:
     return "pending (not started)" if step_index < 0 else f"at step {step_number(step_index)}"
 
 
+ROLLBACK_INTENT_SECONDS = 60.0  # an intent older than this (its replica crashed mid-rollback) no longer blocks
+
+
+def request_rollback(session: Session, rollout_id: int, *, now: dt.datetime | None = None) -> int:
+    """Record that a rollback of ``rollout_id`` is in flight (commit it before the rollback itself): every
+    replica's promote of that rollout is refused until :func:`end_rollback` (a rollback wins over a promote).
+    Needs no lock on the rollout, so it lands while a racing promote holds it. Returns the intent's id."""
+    if session.get(Rollout, rollout_id) is None:
+        raise NotFound(f"rollout {rollout_id} not found")
+    intent = RollbackIntent(rollout_id=rollout_id, at=now or utcnow())
+    session.add(intent)
+    session.flush()
+    return intent.id
+
+
+def end_rollback(session: Session, intent_id: int) -> None:
+    """The rollback of :func:`request_rollback` is over (committed or refused)."""
+    session.execute(delete(RollbackIntent).where(RollbackIntent.id == intent_id))
+
+
+def rollback_pending(session: Session, rollout_id: int, *, now: dt.datetime | None = None) -> bool:
+    """A rollback of ``rollout_id`` is in flight on some replica (see :class:`RollbackIntent`)."""
+    since = (now or utcnow()) - dt.timedelta(seconds=ROLLBACK_INTENT_SECONDS)
+    return session.scalar(select(RollbackIntent.id).where(RollbackIntent.rollout_id == rollout_id,
+                                                          RollbackIntent.at > since).limit(1)) is not None
+
+
 @guarded
 def promote(
     session: Session,
@@ -395,10 +435,12 @@ def promote(
     promotion idempotent instead: strata already at or past it are left alone.
     """
     now = now or utcnow()
-    rollout = get_rollout(session, rollout_id, lock=True)
+    rollout = get_rollout(session, rollout_id, lock=True)  # waits for any writer holding it, then looks
     if rollout.state == ROLLED_BACK:
         raise Conflict(f"rollout {rollout_id} is rolled back (terminal): it cannot be promoted; "
                        "start a new rollout (with force for a revoked version)")
+    if rollback_pending(session, rollout_id, now=now):  # a rollback always wins over a racing promote
+        raise Conflict(f"a rollback of rollout {rollout_id} is in progress: promote refused, nothing changed")
     ended = rollout.state in (PROMOTED, PARTLY_PROMOTED)
     if from_step is not None and (ended or position(rollout) != from_step):
         at = f"{rollout.state} (terminal)" if ended else where(position(rollout))
@@ -492,6 +534,7 @@ def pause(session: Session, rollout_id: int, *, actor: str, reason: str | None =
     for s in rollout.strata:
         if s.state == PROGRESSING:
             s.state, s.reason = PAUSED, reason or "paused by operator"
+    _strata_changed(session, rollout, rollout.strata)
     _sync_summary(rollout)
     _touch(rollout, now)
     _event(session, rollout, "rollout.paused", actor=actor, reason=reason)
@@ -514,6 +557,7 @@ def resume(session: Session, rollout_id: int, *, actor: str, reason: str | None 
         if s.state == PAUSED:
             s.state, s.reason, s.step_started_at = PROGRESSING, None, now
             resumed.append(s.stratum)
+    _strata_changed(session, rollout, rollout.strata)
     _sync_summary(rollout)
     _touch(rollout, now)
     _event(session, rollout, "rollout.resumed", actor=actor, reason=reason, payload={"strata": resumed})

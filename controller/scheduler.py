@@ -4,7 +4,7 @@ Jobs (``max_instances=1``, ``coalesce=True``): ``leadership`` re-checks or takes
 ``min(tick_seconds, 2)`` s so a standby takes over quickly; ``tick`` re-checks leadership and then runs
 ``controller.tick.run_tick`` (stale nodes, pending rollouts, verdicts, steps, deadlines) in one
 transaction. A replica that loses leadership stops acting at once: the next job finds ``check()`` false.
-:func:`start_hub` gives every replica (leader or not) its desired-state hub (``controller.watch``). With ``KERNELCTL_NOTIFY_URLS`` set, a ``controller.notify.Notifier`` delivers webhooks from the changelog on
+Before each tick the replica's buffered liveness is flushed (``controller.desired.liveness``). With ``KERNELCTL_NOTIFY_URLS`` set, a ``controller.notify.Notifier`` delivers webhooks from the changelog on
 its own threads, only while leading.
 """
 
@@ -19,10 +19,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from controller.api.deps import AppState
 from controller.db.models import utcnow
-from controller.desired_cache import install_generation_hooks
 from controller.notify import Notifier, parse_targets
 from controller.tick import TickResult, run_tick
-from controller.watch import DesiredHub
 
 log = logging.getLogger(__name__)
 LEADERSHIP_PERIOD_MAX = 2.0
@@ -51,20 +49,6 @@ def _notifier(state: AppState) -> Notifier | None:
         return None
     return Notifier(state.factory, targets, is_leader=lambda: state.elector.is_leader,
                     timeout=s.notify_timeout_seconds, attempts=s.notify_attempts, public_url=s.public_url)
-
-
-def start_hub(state: AppState) -> DesiredHub:
-    """The replica's desired-state hub (every replica, leader or not): generation hooks on its sessions."""
-    s = state.settings
-    hub = DesiredHub(state.factory, s.database_url, poll_seconds=s.watch_poll_seconds,
-                     liveness_flush_seconds=s.liveness_flush_seconds, max_pending_writes=s.max_pending_writes,
-                     max_queued_writes=s.max_queued_writes,
-                     metrics=state.metrics)
-    if not getattr(state.factory, "_kctl_generation_hooks", False):
-        install_generation_hooks(state.factory, on_commit=lambda gen: getattr(state, "hub", hub).poke(gen))
-        state.factory._kctl_generation_hooks = True  # type: ignore[attr-defined]
-    state.hub = hub  # type: ignore[attr-defined]
-    return hub
 
 
 class ControllerScheduler:
@@ -101,16 +85,12 @@ class ControllerScheduler:
         if not self.state.elector.check():
             return
         started = time.perf_counter()
-        hub = getattr(self.state, "hub", None)
         try:
-            if hub is not None:  # liveness this replica holds reaches the database before staleness is judged
-                hub.flush_liveness()
+            self.state.hub.liveness.flush()  # liveness this replica holds reaches the database before staleness
             since = self.state.elector.leading_since
             settled = since is None or time.monotonic() - since >= self.state.settings.stale_after_seconds
             with self.state.tx() as session:
                 result = run_tick(session, utcnow(), settings=self.state.settings, judge_staleness=settled)
-            if result.rolled_back and hub is not None:  # the canaries' watches answer without coalescing
-                hub.urgent()
             observe_tick(self.state, result)
         except Exception:
             log.exception("judge tick failed (will retry next tick)")

@@ -22,6 +22,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from controller import assignments, rollouts
 from controller.changelog import record_event
 from controller.db.models import Event, Node, Rollout, RolloutStratum, Verdict
+from controller.desired.generation import changed
 from controller.errors import Conflict
 from controller.gates import Decision, StepEvidence, as_utc, decide, hard_failures, step_evidence
 from controller.plan import load_plan
@@ -67,6 +68,7 @@ def mark_stale(session: Session, now: dt.datetime, stale_after_seconds: float) -
         update(Node).where(Node.state == "active", Node.last_heartbeat_at < cutoff).values(state="stale")
         .returning(Node.name), execution_options={"synchronize_session": False}).scalars())
     if names:
+        changed(session)  # a stale node is no canary: its stratum's step is topped up elsewhere
         reason = f"no heartbeat for {stale_after_seconds:g}s"
         session.execute(insert(Event), [
             {"at": now, "actor": ACTOR, "action": "node.stale", "subject": f"node:{n}", "reason": reason,

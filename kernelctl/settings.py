@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_queued_writes: int = Field(
         16384, gt=0, description="Most group-committed agent writes (registrations, version switches) queued at "
         "once per replica; more are answered 503 with Retry-After.")
+    max_watches_per_node: int = Field(
+        4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "
+        "holds one); more are answered 429.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
         None, description="File of `role name token` lines hashed into the database at start-up."

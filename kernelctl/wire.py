@@ -99,6 +99,9 @@ class Inventory(Strict):
 class RegisterRequest(Strict):
     node_name: NodeName
     inventory: Inventory
+    # random, generated and kept on disk by the agent before its first attempt: a retry of a registration whose
+    # reply was lost gets the same node (controller.enrollment)
+    registration_key: str | None = Field(None, min_length=16, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
 
 
 class RegisterResponse(Strict):

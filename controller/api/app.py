@@ -34,6 +34,7 @@ from controller.api.routes_ui import router as ui_router  # the browser UI under
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, make_engine, session_factory
 from controller.db.migrate import check_schema_current
+from controller.desired.hub import DesiredHub
 from controller.errors import KernelctlError, first_line
 from controller.http_limits import header_block_bytes
 from controller.leader import LeaderElector
@@ -277,19 +278,26 @@ def _bootstrap(state: AppState) -> int:
 
 
 def build_state(settings: Settings) -> AppState:
-    """Open the database (schema must be at head) and load trusted keys and bootstrap tokens."""
+    """The composition root: open the database (schema must be at head), build the replica's parts (metrics,
+    leader elector, desired-state hub with its generation hooks on the sessions) and load trusted keys and
+    bootstrap tokens. The lifespan starts and stops what runs (the hub, the scheduler)."""
     engine = make_engine(settings.database_url)
     check_schema_current(engine)
     metrics = Metrics()
     factory = session_factory(engine)
     metrics.bind_database(factory)
     elector = LeaderElector(settings.database_url, on_change=lambda lead: metrics.leader.set(1 if lead else 0))
+    hub = DesiredHub(factory, settings.database_url, poll_seconds=settings.watch_poll_seconds,
+                     liveness_flush_seconds=settings.liveness_flush_seconds,
+                     max_pending_writes=settings.max_pending_writes, max_queued_writes=settings.max_queued_writes,
+                     max_watches_per_node=settings.max_watches_per_node, metrics=metrics)
     state = AppState(
         settings=settings,
         engine=engine,
         factory=factory,
         metrics=metrics,
         elector=elector,
+        hub=hub,
         trusted_keys=_load_trusted_keys(settings),
     )
     if settings.bootstrap_tokens_file is not None:
@@ -313,14 +321,13 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from controller.scheduler import ControllerScheduler, start_hub
+        from controller.scheduler import ControllerScheduler
 
         st = state or build_state(settings)
         app.state.kctl = st
         with contextlib.suppress(Exception):  # the database may be down at start: tokens are looked up then
             await asyncio.to_thread(st.warm_auth_cache)
-        hub = start_hub(st)  # desired-state push and batched liveness (controller.watch), every replica
-        await hub.start()
+        await st.hub.start()  # desired-state push and batched liveness (controller.desired), every replica
         sweeper = asyncio.create_task(_sweep_auth(st), name="auth-sweep")
         scheduler = ControllerScheduler(st) if run_scheduler else None
         if scheduler is not None:
@@ -331,7 +338,7 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
             if scheduler is not None:
                 scheduler.shutdown()
             sweeper.cancel()
-            await hub.stop()
+            await st.hub.stop()
             st.elector.release()
             st.metrics.leader.set(0)
             st.engine.dispose()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,8 +17,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.auth import AuthError, Principal, authenticate, hash_token, lapsed_tokens, require_role
+from controller.bundle_bytes import BundleBytes
 from controller.db.engine import reader, session_factory, session_scope
 from controller.db.models import ApiToken, utcnow
+from controller.desired.hub import DesiredHub
 from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
@@ -39,29 +40,13 @@ class AppState:
     factory: sessionmaker[Session]
     metrics: Metrics
     elector: LeaderElector
+    hub: DesiredHub  # desired-state push, batched liveness and agent writes (controller.desired), every replica
     trusted_keys: dict | None = None
+    bundle_bytes: BundleBytes = field(default_factory=BundleBytes)  # bundle downloads, cached by digest
     _auth_cache: dict[str, tuple[float, Principal]] = field(default_factory=dict)
     _auth_by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> its cached token hashes
     _swept_at: float = float("-inf")  # monotonic start of the last successful sweep_lapsed_tokens
     _auth_lock: threading.Lock = field(default_factory=threading.Lock)
-    _rollbacks: Counter[int] = field(default_factory=Counter)  # rollout id -> rollbacks in flight here
-
-    @contextmanager
-    def rolling_back(self, rollout_id: int) -> Iterator[None]:
-        """Mark a rollback of ``rollout_id`` in flight: promotes of it are refused until it ends."""
-        with self._auth_lock:
-            self._rollbacks[rollout_id] += 1
-        try:
-            yield
-        finally:
-            with self._auth_lock:
-                self._rollbacks[rollout_id] -= 1
-                if self._rollbacks[rollout_id] <= 0:
-                    del self._rollbacks[rollout_id]
-
-    def rollback_pending(self, rollout_id: int) -> bool:
-        with self._auth_lock:
-            return self._rollbacks.get(rollout_id, 0) > 0
 
     @contextmanager
     def tx(self) -> Iterator[Session]:

@@ -29,30 +29,35 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controller.api.body import is_json
 from controller.api.deps import AppState, parse_bearer, scope_header
 from controller.auth import AuthError
+from controller.desired.waiters import TooManyWatches
 from controller.errors import Overloaded
 from controller.http_limits import header_block_bytes
-from controller.watch import slow_heartbeat
 from kernelctl import wire
 
 PATH = wire.API_PREFIX + "/agents/heartbeat"
 JSON = [(b"content-type", b"application/json")]
 
 
-async def answer(state: AppState, req: wire.HeartbeatRequest) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-    """Status, body and extra headers of the reply to a heartbeat its node sent (the caller checked that)."""
-    hb = state.settings.heartbeat_seconds
-    hub = getattr(state, "hub", None)
+async def answer(state: AppState, req: wire.HeartbeatRequest,
+                 token: str | None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """Status, body and extra headers of the reply to a heartbeat its node sent (the caller checked that with
+    ``token``; a watch that waited checks it again before answering: a revoked token gets 401)."""
     started = time.perf_counter()
+
+    async def recheck() -> None:
+        if state.cached_principal(token) is None:  # dropped from the cache (revoked, expired) or aged out
+            await run_in_threadpool(state.authenticate, token)
+
     try:
-        if hub is None:  # no hub (an app built without its lifespan): one transaction per heartbeat
-            reply, _gen = await run_in_threadpool(slow_heartbeat, state.factory, req, hb)
-            held, path = 0.0, "slow"
-        else:
-            reply, held, path = await hub.heartbeat(req, heartbeat_seconds=hb,
-                                                    slow_path=lambda r: slow_heartbeat(state.factory, r, hb))
+        reply, held, path = await state.hub.heartbeat(req, heartbeat_seconds=state.settings.heartbeat_seconds,
+                                                      recheck=recheck)
     except Overloaded as exc:
         return 503, json.dumps({"detail": str(exc)}).encode(), [
             (b"retry-after", exc.retry_after_header.encode())]
+    except AuthError as exc:
+        return 401, json.dumps({"detail": str(exc)}).encode(), [(b"www-authenticate", b"Bearer")]
+    except TooManyWatches as exc:
+        return 429, json.dumps({"detail": str(exc)}).encode(), []
     state.metrics.heartbeat_service.labels(path).observe(max(0.0, time.perf_counter() - started - held))
     return 200, reply.model_dump_json().encode(), []
 
@@ -93,12 +98,12 @@ class HeartbeatLane:
             await _send(send, status, json.dumps({"detail": detail}).encode(), [(b"connection", b"close")])
         else:
             body = b"".join(chunks)
-            req = _common_case(state, scope, body)
+            req, token = _common_case(state, scope, body)
             if req is None:
                 await self.app(scope, _replay([body], None, receive), send)
                 return
             try:
-                status, payload, headers = await answer(state, req)
+                status, payload, headers = await answer(state, req, token)
             except Exception:  # e.g. the database is down: the route answers it again, with the app's handlers
                 await self.app(scope, _replay([body], None, receive), send)
                 return
@@ -132,16 +137,18 @@ def _route_would_take(state: AppState, scope: Scope) -> bool:
         return False
 
 
-def _common_case(state: AppState, scope: Scope, body: bytes) -> wire.HeartbeatRequest | None:
-    """The request when it is the lane's case (cached token of this very node, valid body), else None."""
+def _common_case(state: AppState, scope: Scope, body: bytes) -> tuple[wire.HeartbeatRequest | None, str | None]:
+    """The request and its token when it is the lane's case (cached token of this very node, valid body), else
+    (None, None)."""
     try:
-        principal = state.cached_principal(parse_bearer(scope_header(scope, b"authorization")))
+        token = parse_bearer(scope_header(scope, b"authorization"))
+        principal = state.cached_principal(token)
         req = wire.HeartbeatRequest.model_validate_json(body) if principal is not None else None
     except (AuthError, ValidationError, ValueError):
-        return None
+        return None, None
     if req is None or principal is None or principal.role != "agent" or principal.node != req.node_name:
-        return None
-    return req
+        return None, None
+    return req, token
 
 
 def _replay(chunks: list[bytes], last: Message | None, receive: Receive) -> Receive:

@@ -6,7 +6,7 @@ an existing one needs that node's token, or a node token an operator issued with
 ones. Each request is one transaction; a replayed report batch (same idempotency keys) is accepted once;
 reports from nodes that are not current canaries of a live rollout are refused one by one (counted).
 
-Heartbeats are served by every replica from its desired-state snapshot (``controller.watch``): a heartbeat
+Heartbeats are served by every replica from its desired-state snapshot (``controller.desired``): a heartbeat
 that changes nothing but liveness costs no transaction, and one that carries ``generation`` and
 ``wait_seconds`` is held until the node's desired state changes (push). Writes (registrations, heartbeats that
 change something, report batches) wait at most ``max_pending_writes`` at once per replica; more are answered
@@ -20,30 +20,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import IntegrityError
-from starlette.concurrency import run_in_threadpool
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 from controller import ingest, registry
 from controller.api import heartbeat_lane
 from controller.api.body import json_body, openapi_body, too_many
-from controller.api.deps import AppState, CurrentPrincipal, State
+from controller.api.deps import AppState, CurrentPrincipal, State, bearer_token
 from controller.auth import Forbidden, Principal, require_node, require_role
 from controller.db.models import utcnow
-from controller.desired_cache import LAST_GENERATION
-from controller.enrollment import Registered, Registration, register_many
-from controller.errors import Invalid
-from controller.watch import Overloaded
+from controller.enrollment import Registration
+from controller.errors import Invalid, Overloaded
 from kernelctl import wire
 
 router = APIRouter(prefix=wire.API_PREFIX + "/agents", tags=["agents"])
-
-
-async def _write(state: AppState, fn: Any, *args: Any) -> Any:
-    """A write in a worker thread, through the hub's admission (503 + Retry-After when too many wait)."""
-    hub = getattr(state, "hub", None)
-    if hub is None:
-        return await run_in_threadpool(fn, *args)
-    return await hub.slow(fn, *args)
 
 
 @router.post("/register", response_model=wire.RegisterResponse)
@@ -54,30 +43,17 @@ async def register(req: wire.RegisterRequest, principal: CurrentPrincipal, state
     require_role(principal, "agent")
     if principal.node is not None and principal.node != req.node_name:
         raise Forbidden(f"this token belongs to node {principal.node!r}, not {req.node_name!r}")
-    hub = getattr(state, "hub", None)
     try:
-        if hub is None:  # an app built without its lifespan: one registration, one transaction
-            done = await run_in_threadpool(_register_one, state, Registration(req, principal))
-        else:
-            done = await hub.registrations.submit(Registration(req, principal))
+        done = await state.hub.register(Registration(req, principal.actor, new_only=principal.is_enrollment,
+                                                        minted_by=principal.token_id))
     except Overloaded as exc:
         return _overloaded(exc)
     state.forget_node(req.node_name)  # the node's earlier tokens are revoked: no cached principal outlives them
     if done.token_id is not None:  # its first heartbeat needs no token lookup
         state.remember(done.token, Principal(done.token_id, f"node:{req.node_name}"[:128], "agent", req.node_name))
-    if hub is not None and done.new:  # a new node: this replica knows it before its next reload
-        hub.registered(done.node_id, req.node_name, req.inventory)
     return wire.RegisterResponse(
         node_name=req.node_name, node_token=done.token, heartbeat_seconds=state.settings.heartbeat_seconds
     )
-
-
-def _register_one(state: AppState, item: Registration) -> Registered:
-    with state.tx() as session:
-        (done,) = register_many(session, [item])
-    if isinstance(done, Exception):
-        raise done
-    return done
 
 
 def _overloaded(exc: Overloaded) -> JSONResponse:
@@ -86,14 +62,15 @@ def _overloaded(exc: Overloaded) -> JSONResponse:
 
 
 @router.post("/heartbeat", response_model=wire.HeartbeatResponse)
-async def heartbeat(req: wire.HeartbeatRequest, principal: CurrentPrincipal, state: State) -> Response:
+async def heartbeat(req: wire.HeartbeatRequest, request: Request, principal: CurrentPrincipal,
+                    state: State) -> Response:
     """Record liveness, staged and active versions; answer with the node's desired state.
 
     With ``generation`` and ``wait_seconds`` the reply waits until the desired state moves past
     ``generation`` (or the wait ends): the watch through which a rollback reaches the node at once.
     """
     require_node(principal, req.node_name)
-    status, body, headers = await heartbeat_lane.answer(state, req)
+    status, body, headers = await heartbeat_lane.answer(state, req, bearer_token(request))
     return Response(body, status_code=status, media_type="application/json",
                     headers={k.decode(): v.decode() for k, v in headers})
 
@@ -108,7 +85,7 @@ async def reports(request: Request, principal: CurrentPrincipal, state: State) -
     batch = await json_body(request, wire.ReportBatch, max_items=("reports", state.settings.max_report_batch))
     require_node(principal, batch.node_name)
     try:
-        reply = await _write(state, _reports, batch, state)
+        reply = await state.hub.writers.slow(_reports, batch, state)
     except Overloaded as exc:
         return _overloaded(exc)
     return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
@@ -138,11 +115,7 @@ def _reports(batch: wire.ReportBatch, state: AppState) -> wire.ReportBatchRespon
        reraise=True)
 def _ingest(state, batch: wire.ReportBatch):  # type: ignore[no-untyped-def]
     # A concurrent replay of the same batch loses the unique-key race: retrying sees the keys as duplicates.
+    # a canary verified here (trial before serve) is declared by mark_verified: the node's watch answers at once
     with state.tx() as session:
         node = registry.get_node(session, batch.node_name)
-        out = ingest.ingest_batch(session, node, batch, utcnow())
-    verified = session.info.pop(ingest.VERIFIED, None)
-    hub = getattr(state, "hub", None)
-    if verified and hub is not None:  # trial before serve: the node's watch answers without a reload
-        hub.verified(batch.node_name, verified, session.info.get(LAST_GENERATION))
-    return out
+        return ingest.ingest_batch(session, node, batch, utcnow())

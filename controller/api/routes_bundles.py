@@ -16,6 +16,7 @@ from controller.api.deps import CurrentPrincipal, Operator, State, Viewer
 from controller.api.pages import Cursor, Limit, keyset_page
 from controller.api.schemas import BundleOut
 from controller.auth import Forbidden, require_role
+from controller.bundle_bytes import byte_range
 from controller.db.models import Bundle
 from controller.errors import Conflict, NotFound
 from controller.paging import PAGE_MAX
@@ -104,6 +105,13 @@ def _get(session, name: str, version: str) -> Bundle:  # type: ignore[no-untyped
     return b
 
 
+def _get_digest(session, name: str, version: str) -> str:  # type: ignore[no-untyped-def]
+    digest = session.scalar(select(Bundle.digest).where(Bundle.name == name, Bundle.version == version))
+    if digest is None:
+        raise NotFound(f"no bundle {name}@{version} is registered")
+    return str(digest)
+
+
 @router.get("/{name}/{version}", response_model=BundleOut)
 def show(name: BundleNamePath, version: VersionPath, _p: Viewer, state: State) -> BundleOut:
     with state.read() as session:
@@ -112,16 +120,35 @@ def show(name: BundleNamePath, version: VersionPath, _p: Viewer, state: State) -
 
 @router.get("/{name}/{version}/content", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}}})
-def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrincipal, state: State) -> Response:
-    """The .kpack bytes (agents with a node token, operators, viewers); header X-Kernelctl-Digest."""
+def content(name: BundleNamePath, version: VersionPath, principal: CurrentPrincipal, state: State,
+            request: Request) -> Response:
+    """The .kpack bytes (agents with a node token, operators, viewers); header X-Kernelctl-Digest.
+
+    Served from this replica's cache by digest (``controller.bundle_bytes``; the database is read once per
+    version), in a worker thread; ``Range`` resumes a cut download, ``If-None-Match`` with the digest is 304."""
     require_role(principal, "agent", "viewer")
     if principal.is_enrollment:
         raise Forbidden("an enrollment token may only register; use the node token returned by register")
     with state.read() as session:
-        b = _get(session, name, version)
-        data, digest = b.content, b.digest
-    return Response(
-        data,
-        media_type="application/octet-stream",
-        headers={"X-Kernelctl-Digest": digest, "Content-Disposition": f'attachment; filename="{name}-{version}.kpack"'},
-    )
+        digest = _get_digest(session, name, version)
+    headers = {"X-Kernelctl-Digest": digest, "ETag": f'"{digest}"', "Accept-Ranges": "bytes",
+               "Cache-Control": "private, max-age=31536000, immutable",
+               "Content-Disposition": f'attachment; filename="{name}-{version}.kpack"'}
+    if request.headers.get("if-none-match", "").strip('" ') == digest:
+        return Response(status_code=304, headers=headers)
+
+    def load() -> bytes:
+        with state.read() as s:
+            return s.scalar(select(Bundle.content).where(Bundle.digest == digest))  # type: ignore[return-value]
+
+    data = state.bundle_bytes.get(digest, load)
+    if_range = request.headers.get("if-range")
+    try:  # a Range for other bytes than these (If-Range names another digest) gets the whole body
+        part = byte_range(request.headers.get("range") if if_range in (None, f'"{digest}"') else None, len(data))
+    except ValueError as exc:
+        return Response(str(exc), status_code=416, headers={**headers, "Content-Range": f"bytes */{len(data)}"})
+    if part is None:
+        return Response(data, media_type="application/octet-stream", headers=headers)
+    start, end = part
+    return Response(data[start:end + 1], status_code=206, media_type="application/octet-stream",
+                    headers={**headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"})

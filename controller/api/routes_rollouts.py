@@ -28,7 +28,7 @@ from controller.api.schemas import (
 )
 from controller.db.engine import aborted_by_lock_cycle
 from controller.db.models import Assignment, Bundle, Node, Rollout, Verdict
-from controller.errors import ConcurrentWrite, Conflict, NotFound
+from controller.errors import ConcurrentWrite, NotFound
 from controller.explain import RolloutExplain
 from controller.explain import explain as explain_rollout
 from kernelctl import wire
@@ -185,10 +185,7 @@ def explain(rollout_id: RolloutId, _p: Viewer, state: State,
                               "terminal, or a rollback is in progress"}})
 def promote(rollout_id: RolloutId, req: PromoteRequest, principal: Operator, state: State) -> RolloutDetail:
     """Advance a rollout one step from ``from_step`` (or fully with ``full``); exactly once per step."""
-    def action(s: Session) -> None:
-        rollouts.get_rollout(s, rollout_id, lock=True)  # wait for any writer holding it, then look
-        if state.rollback_pending(rollout_id):  # a live rollout's rollback always wins over a racing promote
-            raise Conflict(f"a rollback of rollout {rollout_id} is in progress: promote refused, nothing changed")
+    def action(s: Session) -> None:  # refused while a rollback of it is in flight on any replica
         rollouts.promote(s, rollout_id, actor=principal.actor, full=req.full, reason=req.reason,
                          from_step=req.from_step)
 
@@ -197,10 +194,15 @@ def promote(rollout_id: RolloutId, req: PromoteRequest, principal: Operator, sta
 
 @router.post("/{rollout_id}/rollback", response_model=RolloutDetail)
 def rollback(rollout_id: RolloutId, req: RollbackRequest, principal: Operator, state: State) -> RolloutDetail:
-    """Roll back now; while it runs, promotes of this rollout on this replica are refused (409)."""
-    with state.rolling_back(rollout_id):
+    """Roll back now; while it runs, promotes of this rollout are refused (409) on every replica."""
+    with state.tx() as s:  # committed first: promotes waiting for the rollout's lock see it
+        intent = rollouts.request_rollback(s, rollout_id)
+    try:
         detail = _rollback_transition(state, rollout_id, lambda s: rollouts.rollback(
             s, rollout_id, actor=principal.actor, reason=req.reason, strata=req.strata))
+    finally:
+        with state.tx() as s:
+            rollouts.end_rollback(s, intent)
     state.metrics.rollbacks.inc()
     return detail
 

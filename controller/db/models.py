@@ -116,6 +116,8 @@ class Node(Base):
     state: Mapped[str] = mapped_column(String(16), default="active")  # active | stale
     registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    # SHA-256 of the agent's registration key: a retry whose reply was lost proves it is the same agent
+    registration_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class StableVersion(Base):
@@ -174,6 +176,20 @@ class Rollout(Base):
     )
 
     __mapper_args__ = {"version_id_col": row_version}
+
+
+class RollbackIntent(Base):
+    """A rollback of a rollout in flight on some replica: while one is younger than a minute, promotes of that
+    rollout are refused on every replica (``controller.rollouts.rollback_pending``). Written and committed
+    before the rollback waits for the rollout's lock, deleted after it (a crashed replica's row expires). No
+    foreign key: its check would lock the rollout's row (FOR KEY SHARE) and wait behind the very promote that
+    the intent must stop."""
+
+    __tablename__ = "rollback_intents"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(BigInteger, index=True)
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class RolloutStep(Base):
@@ -243,7 +259,7 @@ class DesiredGeneration(Base):
     """One row: the generation of the fleet's desired state, bumped by every commit that changes it.
 
     Replicas cache the desired state per generation and long-polling agents are woken when it moves
-    (``controller.watch``); on PostgreSQL the bump also sends ``NOTIFY kernelctl_desired``.
+    (``controller.desired``); on PostgreSQL the bump also sends ``NOTIFY kernelctl_desired``.
     """
 
     __tablename__ = "desired_generation"

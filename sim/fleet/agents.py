@@ -1,14 +1,19 @@
 """The simulated agents: one coroutine per node speaking the real wire models over HTTP.
 
-Each agent registers with the enrollment token (``wire.RegisterRequest``), then keeps one heartbeat open at a
-time as a watch (``wire.HeartbeatRequest`` with the ``generation`` it applied and ``wait_seconds``): the
-controller answers when the node's desired state changes, or after the heartbeat period. A reply is applied at
-once (stable and candidate are both staged, so a switch is instant; the bundle bytes are downloaded once per
-version for the whole fleet and their digest checked) and the next heartbeat reports it. While the reply
-carries a trial spec a trial coroutine produces one ``wire.TrialReport`` per trial interval (latencies from
-the judge's noise model, :mod:`sim.judge.noise`) and sends it as a ``wire.ReportBatch`` with its idempotency
-key, kept in the agent's outbox until a 200 acknowledges it. 429/503 answers are retried after their
-``Retry-After`` with jitter; nothing leaves the outbox unacknowledged.
+Each agent registers as the real agent does (``agents.daemon``): with the enrollment token and a registration key
+it keeps before its first attempt, a 10 s timeout, and retries with exponential backoff and jitter after a
+timeout, a dropped connection or a 429/503 (never giving up); a share of the replies is lost on purpose
+(``lost_reply_share``: the controller committed, the agent never hears it) and the retry must get the same
+node. A 409 at registration is a node locked out (counted). Then it keeps one heartbeat open at a time as a
+watch (``wire.HeartbeatRequest`` with the ``generation`` it applied and ``wait_seconds``): the controller
+answers when the node's desired state changes, or after the heartbeat period. A reply is applied at once
+(stable and candidate are both staged, so a switch is instant); every agent downloads each version it does
+not hold yet itself (``download_per_agent``; digest checked), as a real canary does. While the reply carries a
+trial spec a trial coroutine produces one ``wire.TrialReport`` per trial interval (latencies from the judge's
+noise model, :mod:`sim.judge.noise`), real-sized (``report_kb``: 6-46 KB, a real agent's report on CPU: many
+latency pairs), kept in the agent's outbox and sent one report per request, as the agent does, until a 200
+acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
+outbox unacknowledged.
 
 HTTP: :mod:`sim.fleet.http` (h11 on asyncio, a fraction of httpx's CPU per request, so the simulator measures
 the controller and not itself). Each agent keeps its own persistent connection for its watch, re-issued on it
@@ -38,7 +43,11 @@ from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
 from sim.fleet.scenarios import FLEET_KINDS, TRITON_VERSION, stratum_of
 
 MAX_TRIALS_PER_ROUND = 8
+REGISTER_TIMEOUT_S = 10.0  # the real agent's HTTP timeout (agents.daemon: AgentConfig.http_timeout_s)
+REGISTER_BACKOFF_S = 1.25  # first retry after about this long (the agent: REGISTER_RETRY_S / 4), doubling
+REGISTER_BACKOFF_MAX_S = 120.0
 JSON = (b"content-type", b"application/json")
+PAIR_BYTES = 110  # one wire.LatencyPair in a report's JSON
 
 
 class Stats:
@@ -59,6 +68,10 @@ class Stats:
         self.back_to_stable_wall: dict[str, float] = {}  # the same, wall clock (vs the controller's verdict time)
         self.canary_strata: dict[str, str] = {}  # node -> stratum, every node that ever ran the candidate
         self.registered_at: list[float] = []  # monotonic
+
+        self.locked_out: set[str] = set()  # nodes answered 409 at registration (already registered, not theirs)
+        self.lost_replies = 0  # registration replies dropped on purpose
+        self.downloads = 0  # bundle downloads completed (digest checked)
 
     def observe(self, endpoint: str, seconds: float, status: int | str) -> None:
         self.latency[endpoint].append(seconds)
@@ -83,6 +96,7 @@ class SimAgent:
     trial_task: asyncio.Task[None] | None = None
     hb_key: tuple[Any, ...] | None = None  # what the cached heartbeat body was built from
     hb_body: bytes = b""
+    registration_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # kept before the 1st try
 
     def heartbeat_body(self, wait_seconds: float) -> bytes:
         """The ``wire.HeartbeatRequest`` JSON, built again only when what it reports changed."""
@@ -174,18 +188,30 @@ class Fleet:
     # ------------------------------------------------------------------------------ one agent
     async def run_agent(self, a: SimAgent, start_delay: float) -> None:
         await asyncio.sleep(start_delay)
-        hb = self.cfg.heartbeat_seconds
-        while self.running and a.token is None:
-            req = wire.RegisterRequest(node_name=a.name, inventory=a.inventory())
-            r = await self.request(a, "register", "POST", "/v1/agents/register", self.tokens["enroll"], req)
-            if r is not None and r.status_code == 200:
-                a.token = wire.RegisterResponse.model_validate_json(r.content).node_token
-                self.stats.registered_at.append(time.monotonic())
-            else:
-                await asyncio.sleep(retry_after(r, 1.0) if r is not None and r.status_code in (429, 503)
-                                    else hb * (0.5 + random.random()))
+        await self.register(a)
         while self.running and not a.stopped:
             await self.heartbeat_round(a)
+
+    async def register(self, a: SimAgent) -> None:
+        """Register as ``agents.daemon`` does (see the module docstring)."""
+        req = wire.RegisterRequest(node_name=a.name, inventory=a.inventory(), registration_key=a.registration_key)
+        attempt = 0
+        while self.running and a.token is None:
+            r = await self.request(a, "register", "POST", "/v1/agents/register", self.tokens["enroll"], req,
+                                   timeout=REGISTER_TIMEOUT_S, gated=False)  # agents do not coordinate
+            if r is not None and r.status_code == 200:
+                if random.random() < self.cfg.lost_reply_share and attempt == 0:
+                    self.stats.lost_replies += 1  # committed by the controller, never heard by the agent
+                else:
+                    a.token = wire.RegisterResponse.model_validate_json(r.content).node_token
+                    self.stats.registered_at.append(time.monotonic())
+                    return
+            elif r is not None and r.status_code == 409:
+                self.stats.locked_out.add(a.name)
+            attempt += 1
+            after = retry_after(r, 1.0) if r is not None and r.status_code in (429, 503) else 0.0
+            backoff = min(REGISTER_BACKOFF_MAX_S, REGISTER_BACKOFF_S * 2 ** min(attempt, 10))
+            await asyncio.sleep(max(after, backoff * random.random() + REGISTER_BACKOFF_S))
 
     async def heartbeat_round(self, a: SimAgent) -> None:
         assert a.token is not None
@@ -224,14 +250,18 @@ class Fleet:
             a.trial_task = asyncio.create_task(self.trial_loop(a))
 
     async def fetch_once(self, a: SimAgent, ref: wire.BundleRef) -> None:
-        """Download a version's bundle once for the whole simulated fleet (digest checked)."""
-        if ref.version in self.fetched:
+        """Download a version's bundle: by every agent that lacks it (``download_per_agent``, as real agents
+        do), else once for the whole simulated fleet; digest checked."""
+        once = not self.cfg.download_per_agent
+        if once and ref.version in self.fetched:
             return
         self.fetched.add(ref.version)
         r = await self.request(a, "bundle_content", "GET", f"/v1/bundles/{ref.name}/{ref.version}/content",
                                a.token or "", timeout=120)
         if r is None or r.status_code != 200 or hashlib.sha256(r.content).hexdigest() != ref.digest:
             self.fetched.discard(ref.version)
+        else:
+            self.stats.downloads += 1
 
     # ------------------------------------------------------------------------------ trials
     async def trial_loop(self, a: SimAgent) -> None:
@@ -262,21 +292,34 @@ class Fleet:
         key = f"sim-{a.name}-{a.trials}-{secrets.token_hex(4)}"
         if numeric_bad or (faulty and sc.log_effect > 0):
             a.offending.add(key)
+        # a real agent's report: pairs interleaved per (op, batch size) after a warm-up; the first carries the
+        # noise model's ratio, the others the same ratio with a little per-call jitter (the judge reads them all)
+        pairs = [wire.LatencyPair(op="bias_gelu", tokens=8, stable_s=stable_s, candidate_s=stable_s * math.exp(ratio))]
+        for i in range(self.pairs_per_report(a) - 1):
+            jitter = 1.0 + 0.01 * ((i * 7919 + a.trials) % 13 - 6) / 6.0
+            pairs.append(wire.LatencyPair(op="bias_gelu", tokens=8, stable_s=stable_s * jitter,
+                                          candidate_s=stable_s * jitter * math.exp(ratio)))
         return wire.TrialReport(
             idempotency_key=key, rollout_id=trial.rollout_id, stratum=trial.stratum, candidate=trial.candidate,
             stable=trial.stable, outcome="numeric_error" if numeric_bad else "ok",
-            measured_at=dt.datetime.now(dt.timezone.utc), duration_s=0.5,
-            latency=[wire.LatencyPair(op="bias_gelu", tokens=8, stable_s=stable_s,
-                                      candidate_s=stable_s * math.exp(ratio))],
+            measured_at=dt.datetime.now(dt.timezone.utc), duration_s=0.5, latency=pairs,
             numerics=[wire.NumericCheck(op="bias_gelu", dtype="fp16", shape={"M": 8, "N": 4096},
                                         max_abs_err=0.5 if numeric_bad else 2e-4,
                                         max_rel_err=0.3 if numeric_bad else 1e-3, within_tolerance=not numeric_bad)],
             detail="simulated trial" + (" (numeric drift)" if numeric_bad else ""))
 
+    def pairs_per_report(self, a: SimAgent) -> int:
+        """Latency pairs in one report, for a report of about ``report_kb`` (6-46 KB drawn per agent: a real
+        CPU agent's); one pair serialises to about 110 bytes."""
+        lo, hi = self.cfg.report_kb
+        kb = lo + (hi - lo) * ((a.index * 2654435761) % 1000) / 1000.0
+        return max(1, int(kb * 1024 / PAIR_BYTES))
+
     async def flush(self, a: SimAgent) -> None:
-        """Send the outbox as one batch; keep it until a 200 acknowledges it (retried after 429/503)."""
+        """Send the outbox one report per request, as the agent does; keep each until a 200 acknowledges it
+        (retried after 429/503)."""
         while a.outbox and a.token is not None and self.running:
-            batch = list(a.outbox)
+            batch = a.outbox[:1]
             now = time.monotonic()
             for r in batch:
                 self.stats.sent_keys.add(r.idempotency_key)

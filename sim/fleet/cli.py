@@ -37,6 +37,14 @@ def fleet_command(
     trial_interval: float | None = typer.Option(None, "--trial-interval", min=0.05,
                                                 help="Seconds between simulated trials on a canary (default: the "
                                                      "heartbeat period, or nodes/50 s if longer)."),
+    report_kb: tuple[float, float] = typer.Option((6.0, 46.0), "--report-kb",
+                                                  help="Report sizes in KB, drawn per agent between these two "
+                                                       "(a real agent's on CPU: 6-46 KB)."),
+    download_once: bool = typer.Option(False, "--download-once",
+                                       help="Download each version once for the whole fleet (default: every "
+                                            "canary downloads it, as real agents do)."),
+    lost_reply_share: float = typer.Option(0.02, "--lost-reply-share", min=0.0, max=1.0,
+                                           help="Share of registration replies lost on purpose (retried)."),
     bundle_cache: Path | None = typer.Option(None, "--bundle-cache",
                                              help="Where the signed simulation bundles are built once "
                                                   "(default: the user cache dir)."),
@@ -52,7 +60,8 @@ def fleet_command(
     cfg = FleetConfig(nodes=nodes, db_url=db, scenario=sc, fresh=fresh, duration_limit=duration_limit,
                       heartbeat_seconds=heartbeat_seconds, tick_seconds=tick_seconds, connections=connections,
                       margin_pct=margin_pct, seed=seed, stale_after=stale_after,
-                      bundle_cache=bundle_cache, trial_interval=trial_interval)
+                      bundle_cache=bundle_cache, trial_interval=trial_interval, report_kb=report_kb,
+                      download_per_agent=not download_once, lost_reply_share=lost_reply_share)
     try:
         res = run_fleet(cfg)
     except SimError as exc:

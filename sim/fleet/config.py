@@ -40,6 +40,9 @@ class FleetConfig:
     trial_interval: float | None = None  # seconds between simulated trials on a canary
     work_dir: Path | None = None
     bundle_cache: Path | None = None
+    report_kb: tuple[float, float] = (6.0, 46.0)  # report sizes drawn per agent (a real agent's on CPU)
+    download_per_agent: bool = True  # every canary downloads the bundle itself (False: once for the fleet)
+    lost_reply_share: float = 0.02  # registration replies lost on purpose (the retry must get the same node)
 
     @property
     def stale_after_seconds(self) -> float:

@@ -115,6 +115,7 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
         "rolled_back_canaries_back_on_stable": all(n in stats.back_to_stable for n in back),
     }
     checks["no_node_stale_but_the_stopped"] = not (stale_names - stopped_names)
+    checks["no_node_locked_out"] = not stats.locked_out
     if sc.stale_share:
         checks["stopped_agents_marked_stale"] = stopped > 0 and stopped_names <= stale_names
     out: dict[str, Any] = {
@@ -146,6 +147,10 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
                            "all": _r(reg[-1] - fleet.started) if len(reg) == cfg.nodes else None},
         "stale": {"agents_stopped": stopped, "nodes_stale": stale_nodes},
         "registered": sum(1 for a in fleet.agents if a.token),
+        "registration": {"locked_out": len(stats.locked_out), "replies_lost_on_purpose": stats.lost_replies,
+                         "timeout_s": 10.0},
+        "downloads": {"completed": stats.downloads, "per_agent": cfg.download_per_agent},
+        "report_kb": list(cfg.report_kb),
         "checks": checks, "passed": all(checks.values()),
     }
     if restart is not None:
@@ -175,7 +180,10 @@ def print_table(res: dict[str, Any]) -> None:
         ("judge tick (mean, p99 bucket)", f"{res['tick']['mean_ms']} ms, <= {res['tick']['p99_le_ms']} ms"),
         ("time to rollback p50/p99/max", f"{ttr['p50']} / {ttr['p99']} / {ttr['max']} s ({ttr['canaries']} canaries)"),
         ("decision -> stable p50/p99/max", "{p50} / {p99} / {max} s".format(**res["decision_to_stable_s"])),
-        ("registration (all nodes)", f"{res['registration_s']['all']} s"),
+        ("registration (all nodes)", f"{res['registration_s']['all']} s, {res['registration']['locked_out']} "
+                                     f"locked out, {res['registration']['replies_lost_on_purpose']} replies lost"),
+        ("downloads", f"{res['downloads']['completed']} ({'per agent' if res['downloads']['per_agent'] else 'once'})"),
+        ("nodes stale", str(res["stale"]["nodes_stale"])),
         ("wall", f"{res['wall_s']} s {res['phases_s']}"),
     ]
     for ep, h in res["http"].items():

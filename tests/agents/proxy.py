@@ -1,6 +1,6 @@
 """A tiny loopback HTTP proxy in front of the real controller: a fixed address for agents while the
 controller restarts on new ports (502 while it is down, like a load balancer), and optional tampering with
-bundle downloads (a man in the middle flipping a byte)."""
+bundle downloads (a man in the middle flipping a byte), or replies lost on the way back."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ class Proxy:
     def __init__(self, upstream: str | None = None) -> None:
         self.upstream = upstream
         self.tamper: Callable[[str], bool] = lambda path: False
+        self.lose: Callable[[str], bool] = lambda path: False  # forward, then drop the reply (a lost answer)
+        # answer in the controller's stead (status, JSON body), without forwarding; None: forward
+        self.answer: Callable[[str], tuple[int, bytes] | None] = lambda path: None
+        self.cut: Callable[[str], bool] = lambda path: False  # send half the body, then drop the connection
+        self.ranges: list[str | None] = []  # the Range header of every request
         self.requests: list[tuple[str, str, int]] = []
         proxy = self
 
@@ -31,6 +36,11 @@ class Proxy:
                 body = self.rfile.read(n) if n else b""
                 up = proxy.upstream
                 status, headers, content = 502, {}, b'{"detail":"upstream down"}'
+                canned = proxy.answer(self.path)
+                if canned is not None:
+                    status, content = canned
+                    headers = {"Content-Type": "application/json"}
+                    up = None
                 if up is not None:
                     try:
                         fwd = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
@@ -44,11 +54,20 @@ class Proxy:
                     b[len(b) // 2] ^= 0x01
                     content = bytes(b)
                 proxy.requests.append((self.command, self.path, status))
+                proxy.ranges.append(self.headers.get("Range"))
+                if proxy.lose(self.path):
+                    self.close_connection = True  # the upstream committed; the client never hears it
+                    return
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
+                if proxy.cut(self.path):
+                    self.wfile.write(content[: len(content) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 self.wfile.write(content)
 
             do_GET = do_POST = do_PUT = do_DELETE = _handle

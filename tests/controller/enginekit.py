@@ -144,8 +144,8 @@ class Kit:
 
 
 def generation_kit(url: str, tmp: Path) -> Iterator[Kit]:
-    """A :class:`Kit` whose sessions bump the desired-state generation (``controller.desired_cache``), closed after."""
-    from controller.desired_cache import install_generation_hooks
+    """A :class:`Kit` whose sessions bump the desired-state generation (``controller.desired``), closed after."""
+    from controller.desired.generation import install_generation_hooks
 
     k = Kit(url, tmp)
     install_generation_hooks(k.factory)

@@ -21,7 +21,8 @@ from agents.client import ControllerClient
 from controller import registry
 from controller.assignments import desired_state
 from controller.db.models import Node
-from controller.desired_cache import load_snapshot, read_generation
+from controller.desired.generation import read_generation
+from controller.desired.snapshot import load_snapshot
 from controller.ingest import ingest_reports
 from kernelctl import wire
 from tests.controller.enginekit import T0, Kit, generation_kit
@@ -219,20 +220,19 @@ def test_no_node_unknown_to_the_snapshot_is_refused(kit: Kit) -> None:
 
 def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url: str) -> None:
     from controller.db.models import Assignment
-    from controller.watch import DesiredHub
+    from controller.desired.liveness import LivenessBuffer
 
     kit.nodes(2)
     _rid, stable, cand = _stable_and_candidate(kit, nodes=0)
-    hub = DesiredHub(kit.factory, db_url)
+    buffer = LivenessBuffer(kit.factory)
     snap = load_snapshot(kit.factory)
     g = _gen(kit)
     later = T0 + dt.timedelta(minutes=5)
     for name in ("gpu-000", "gpu-001"):
         node = snap.nodes[name]
         req = wire.HeartbeatRequest(node_name=name, staged=[stable, cand], active=[stable])
-        hub.note_alive(node.id, later)
-        hub.note_staged(node.id, snap.staged_changes(node, req))
-    assert hub.flush_liveness() == 2
+        buffer.note(node.id, later, snap.staged_changes(node, req))
+    assert buffer.flush() == 2
     with kit.tx() as s:
         rows = s.execute(select(Node.name, Node.last_heartbeat_at, Assignment.staged)
                          .join(Assignment, Assignment.node_id == Node.id)).all()
@@ -240,6 +240,6 @@ def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url:
     assert all(r[1].replace(tzinfo=dt.timezone.utc) == later for r in rows)
     assert all(r[2] == {"versions": sorted([stable.version, cand.version])} for r in rows)
     assert _gen(kit) == g  # liveness and staged versions are not desired state
-    assert hub.flush_liveness() == 0  # nothing new: nothing written
-    hub.note_staged(snap.nodes["gpu-000"].id, {"llm-fused": (stable.version, cand.version)})
-    assert hub.flush_liveness() == 0  # already written by this replica
+    assert buffer.flush() == 0  # nothing new: nothing written
+    buffer.note(snap.nodes["gpu-000"].id, later, {"llm-fused": (stable.version, cand.version)})
+    assert buffer.flush() == 1  # the time only: the staged versions were already written by this replica

@@ -1,8 +1,9 @@
-"""Group-committed writes (issue 16): set-based registrations and version switches write exactly what the
-one-request-one-transaction paths write, refuse items one by one, and a hub batches concurrent requests.
+"""Group-committed writes: the one heartbeat rule (``controller.desired.effects.heartbeat_effects``) applied by
+its batch writer writes exactly what its single-row writer writes; registration (written once, in
+``controller.enrollment``) refuses items one by one; a hub batches concurrent requests and patches the rows
+commits declare into its snapshot.
 
-On SQLite and PostgreSQL. Registrations: ``controller.enrollment.register_many`` vs ``registry.register_node``
-+ ``auth.issue_node_token``; switches: ``controller.switches.record_switches`` vs ``registry.heartbeat``
+On SQLite and PostgreSQL. Switches: ``controller.switches.record_switches`` vs ``registry.heartbeat``
 (assignment rows, canary phases, activation history with its rollout/verification tags, events, the reply).
 """
 
@@ -18,17 +19,22 @@ from sqlalchemy import select
 from controller import registry
 from controller.auth import Principal, authenticate, issue_node_token
 from controller.db.models import Activation, ApiToken, Assignment, Event, Node
-from controller.desired_cache import load_snapshot
+from controller.desired.hub import DesiredHub
+from controller.desired.snapshot import load_snapshot
 from controller.enrollment import Registered, Registration, register_many
 from controller.errors import Conflict
 from controller.switches import FULL, Switch, Switched, record_switches
-from controller.watch import DesiredHub
 from kernelctl import wire
 from tests.controller.enginekit import T0, Kit, generation_kit, inventory
 from tests.controller.test_fleet_watch import _gen
 from tests.controller.test_serve_phase import _send, _stable_and_candidate
 
 ENROLL = Principal(token_id=1, name="enroll", role="agent")
+
+
+def _reg(name: str, principal: Principal = ENROLL, **inv) -> Registration:
+    return Registration(wire.RegisterRequest(node_name=name, inventory=inventory(**inv)), principal.actor,
+                        principal.is_enrollment)
 
 
 @pytest.fixture
@@ -44,31 +50,23 @@ def _norm(rows: list[tuple[str, str | None, dict]], name: str) -> list[tuple[str
     return [(a, b, re.sub(r"\d+", "#", str(p).replace(name, "N"))) for a, b, p in rows]  # ids differ
 
 
-def test_register_many_writes_what_one_by_one_registration_writes(kit: Kit) -> None:
-    with kit.tx() as s:  # an operator issued a token for b-1 / c-1 before they registered: it is superseded
-        issue_node_token(s, "b-1", actor="op")
-        issue_node_token(s, "c-1", actor="op")
+def test_register_many_revokes_earlier_tokens_of_the_names_it_creates(kit: Kit) -> None:
+    with kit.tx() as s:  # an operator issued a token for b-1 before it registered: it is superseded
+        old = issue_node_token(s, "b-1", actor="op")
     with kit.tx() as s:
-        done = register_many(s, [Registration(wire.RegisterRequest(node_name=f"b-{i}", inventory=inventory()),
-                                              ENROLL) for i in range(3)], now=T0)
-    with kit.tx() as s:
-        for i in range(3):
-            registry.register_node(s, f"c-{i}", inventory(), actor=ENROLL.actor, now=T0, new_only=True)
-            issue_node_token(s, f"c-{i}", actor=ENROLL.actor)
+        done = register_many(s, [_reg(f"b-{i}") for i in range(3)], now=T0)
     assert all(isinstance(d, Registered) and d.new for d in done)
-    for i in range(3):
-        b, c = f"b-{i}", f"c-{i}"
-        ev_b = [e for e in _events(kit, b) if e[0] != "token.created" or e[2]["role"] == "agent"]
-        assert _norm(ev_b, b) == _norm(_events(kit, c), c)
+    actions = [e[0] for e in _events(kit, "b-1")]
+    assert actions[-4:] == ["node.registered", "token.revoked", "token.created", "token.node_reissued"]
     with kit.tx() as s:
         nodes = {n.name: n for n in s.scalars(select(Node))}
-        assert {k: getattr(nodes["b-0"], k) for k in ("arch", "driver_version", "state", "labels")} == \
-            {k: getattr(nodes["c-0"], k) for k in ("arch", "driver_version", "state", "labels")}
         live = {t.node_name: t for t in s.scalars(select(ApiToken).where(ApiToken.revoked_at.is_(None)))}
-        assert sorted(live) == ["b-0", "b-1", "b-2", "c-0", "c-1", "c-2"]  # one live token each: the new one
+        assert sorted(live) == ["b-0", "b-1", "b-2"]  # one live token each: the new one
         for d, name in zip(done, ("b-0", "b-1", "b-2"), strict=True):
             assert d.node_id == nodes[name].id
             assert authenticate(s, d.token).node == name
+        with pytest.raises(Exception, match="revoked"):
+            authenticate(s, old)
 
 
 def test_register_many_refuses_items_one_by_one(kit: Kit) -> None:
@@ -76,7 +74,7 @@ def test_register_many_refuses_items_one_by_one(kit: Kit) -> None:
     with kit.tx() as s:
         node_token = issue_node_token(s, "old-000", actor="op")
         own = authenticate(s, node_token)
-    items = [Registration(wire.RegisterRequest(node_name=n, inventory=inventory(driver=d)), p) for n, d, p in [
+    items = [_reg(n, p, driver=d) for n, d, p in [
         ("new-0", "550.54.15", ENROLL),
         ("old-000", "550.54.15", ENROLL),  # exists: an enrollment token registers new nodes only
         ("new-0", "550.54.15", ENROLL),  # twice in one batch: the second is refused like a late duplicate
@@ -98,7 +96,7 @@ def test_register_many_refuses_items_one_by_one(kit: Kit) -> None:
 def _ids(kit: Kit, node: str, active: list[wire.BundleRef]) -> tuple[int, dict[str, int | None]]:
     snap = load_snapshot(kit.factory)
     view = snap.nodes[node]
-    ids = snap.switch_ids(view, wire.HeartbeatRequest(node_name=node, active=active))
+    ids = snap.reported(view, wire.HeartbeatRequest(node_name=node, active=active))
     assert ids is not None
     return view.id, ids
 
@@ -159,15 +157,15 @@ def test_hub_batches_concurrent_switches_and_registrations_in_few_transactions(k
         hub = DesiredHub(kit.factory, db_url)
         await hub.start()
         batches: list[int] = []
-        write = hub.switches.write
-        hub.switches.write = lambda items: (batches.append(len(items)), write(items))[1]  # type: ignore[method-assign]
+        write = hub.writers.switches.write
+        hub.writers.switches.write = lambda items: (batches.append(len(items)), write(items))[1]  # type: ignore
         try:
             g0 = hub.snapshot.generation
+            hub.writers.heartbeat = lambda r, _hb: pytest.fail(f"{r.node_name} took the full transaction")
             replies = await asyncio.gather(*(hub.heartbeat(
-                wire.HeartbeatRequest(node_name=f"gpu-{i:03d}", active=[stable]), heartbeat_seconds=5,
-                slow_path=lambda r: pytest.fail(f"{r.node_name} took the full transaction")) for i in range(30)))
-            regs = await asyncio.gather(*(hub.registrations.submit(Registration(
-                wire.RegisterRequest(node_name=f"late-{i}", inventory=inventory()), ENROLL)) for i in range(20)))
+                wire.HeartbeatRequest(node_name=f"gpu-{i:03d}", active=[stable]), heartbeat_seconds=5)
+                for i in range(30)))
+            regs = await asyncio.gather(*(hub.register(_reg(f"late-{i}")) for i in range(20)))
             assert hub.snapshot.generation > g0  # patched in place: the batches' generations are known
             return replies, regs, len(batches)
         finally:
@@ -182,8 +180,7 @@ def test_hub_batches_concurrent_switches_and_registrations_in_few_transactions(k
         assert s.scalar(select(Node).where(Node.name == "late-19")) is not None
         assert len(list(s.scalars(select(Event).where(Event.action == "assignment.activated")))) >= 30
     with pytest.raises(Conflict), kit.tx() as s:
-        (again,) = register_many(s, [Registration(wire.RegisterRequest(node_name="late-0", inventory=inventory()),
-                                                  ENROLL)])
+        (again,) = register_many(s, [_reg("late-0")])
         raise again
 
 
@@ -199,8 +196,10 @@ def test_a_verified_canary_is_patched_into_the_snapshot_without_a_reload(kit: Ki
             assert (d.active, d.phase) == (stable, "staged")
             _send(kit, "gpu-000", rid, cand, stable, "ok", T0)  # its trial passed: verified, generation g
             g = _gen(kit)
-            hub._verified("gpu-000", [rid], g)
-            assert hub.snapshot is before and hub.snapshot.generation == g  # patched, not reloaded
+            await asyncio.sleep(0)  # the commit's declared rows reach the loop
+            assert hub.snapshot is not before and hub.snapshot.generation == g  # patched, not reloaded
+            assert hub.snapshot.nodes["gpu-001"] is before.nodes["gpu-001"]  # copy-on-write: the rest is shared
+            assert before.desired(before.nodes["gpu-000"])[0].phase == "staged"  # the old snapshot never changes
             (d,) = hub.snapshot.desired(hub.snapshot.nodes["gpu-000"])
             assert (d.active, d.phase) == (cand, "verified")
             assert hub.snapshot.desired(hub.snapshot.nodes["gpu-000"]) == load_snapshot(kit.factory).desired(

@@ -40,7 +40,7 @@ def run_fleet(scenario: str, bundle_cache: Path, tmp_path: Path) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "TMPDIR": str(tmp_path)}
     cmd = [*_fleet_cmd(), "--nodes", "50", "--scenario", scenario, "--json", "--fresh",
            "--db", dbutil.PG_ADMIN_URL, "--heartbeat-seconds", "2", "--tick-seconds", "0.5", "--trial-interval", "0.4",
-           "--duration-limit", "100", "--bundle-cache", str(bundle_cache)]
+           "--duration-limit", "100", "--bundle-cache", str(bundle_cache), "--lost-reply-share", "0.2"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.stdout.strip(), f"no output (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     res = json.loads(proc.stdout)
@@ -60,6 +60,10 @@ def test_healthy_rollout_is_promoted_with_no_report_lost(bundle_cache: Path, tmp
     assert res["tick"]["count"] > 0  # scraped from the controller's /metrics
     assert res["http"]["heartbeat"]["server_fast"]["count"] > 0  # heartbeats answered from the snapshot
     assert res["stale"]["nodes_stale"] == 0
+    # registration as the real agent does it: replies lost on purpose, retried with the same key, none locked out
+    assert res["registration"]["replies_lost_on_purpose"] > 0 and res["registration"]["locked_out"] == 0
+    assert res["registered"] == 50
+    assert res["downloads"]["per_agent"] and res["downloads"]["completed"] > 2  # each canary downloads itself
     assert res["passed"] and res["_rc"] == 0, res["checks"]
 
 

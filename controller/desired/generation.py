@@ -1,0 +1,115 @@
+"""The desired-state generation: one counter, bumped by the commits that declare a change of desired state.
+
+Which writes change desired state is said at the write: the writer calls :func:`changed` in its transaction
+(assignments, canary phases, rollout strata, stable versions, a node's state or inventory; not liveness,
+not staged versions, not a new node: a replica that meets a node it does not know loads it on its own).
+A writer that knows exactly which rows it changed passes them (``rows``: node id -> bundle name ->
+:class:`PatchRow`; ``strata``: (rollout id, stratum) -> state): a commit whose every change came with its
+rows carries a complete :class:`Patch`, which replicas apply to their snapshot without a reload (a switch
+batch, a verified canary, a rollback, a pause). Any :func:`changed` without rows makes the patch partial:
+the rows it has are still applied at once (their watches answer), and the snapshot is reloaded for the rest.
+
+:func:`install_generation_hooks` adds the bump to a sessionmaker: right before COMMIT one ``UPDATE ...
+RETURNING`` takes the next value (the row lock is held only for the commit, so generations are ordered like
+the commits) and, on PostgreSQL, ``pg_notify('kernelctl_desired', value)`` wakes every replica when the
+transaction commits; after the commit ``on_commit(generation, patch)`` tells this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.desired.effects import AssignmentView
+
+CHANNEL = "kernelctl_desired"
+PATCH = "kctl_desired_patch"  # session.info: the Patch this transaction declared (present: it changed desired state)
+GENERATION = "kctl_generation"
+LAST_GENERATION = "kctl_last_generation"  # the value the last commit of this session bumped to (kept)
+KEEP = object()  # PatchRow.active_id: the write did not touch the row's active version
+
+
+@dataclass(frozen=True)
+class PatchRow:
+    """One assignment row as a commit left it (``active_id`` KEEP: unchanged by this write)."""
+
+    view: AssignmentView
+    active_id: Any = KEEP
+
+
+@dataclass
+class Patch:
+    """What one transaction changed in desired state; ``complete``: nothing else (no reload needed)."""
+
+    rows: dict[int, dict[str, PatchRow]] = field(default_factory=dict)
+    strata: dict[tuple[int, str], str] = field(default_factory=dict)
+    complete: bool = True
+
+
+def read_generation(session: Session) -> int:
+    """The current desired-state generation (0 before migration 0005 seeded it)."""
+    return int(session.execute(text("SELECT value FROM desired_generation WHERE id = 1")).scalar() or 0)
+
+
+def changed(session: Session, *, rows: dict[int, dict[str, PatchRow]] | None = None,
+            strata: dict[tuple[int, str], str] | None = None) -> None:
+    """This transaction changes desired state (its commit bumps the generation); with ``rows``/``strata``,
+    exactly these (see the module docstring)."""
+    patch: Patch = session.info.setdefault(PATCH, Patch())
+    if rows is None and strata is None:
+        patch.complete = False
+        return
+    for nid, mine in (rows or {}).items():
+        patch.rows.setdefault(nid, {}).update(mine)
+    patch.strata.update(strata or {})
+
+
+HOOKED = "_kctl_on_commit"  # the factory's hooks are installed; their on_commit target
+
+
+def install_generation_hooks(factory: sessionmaker[Session],
+                             on_commit: Callable[[int, Patch], None] | None = None) -> None:
+    """Bump the generation in every transaction of ``factory`` that declared a change (see module doc).
+
+    Installed once per factory; a later call only changes where ``on_commit`` goes (one hub per factory)."""
+    installed = HOOKED in factory.__dict__
+    setattr(factory, HOOKED, on_commit)
+    if installed:
+        return
+
+    @event.listens_for(factory, "before_commit")
+    def _before_commit(session: Session) -> None:
+        if session.get_nested_transaction() is not None or PATCH not in session.info:
+            return  # a savepoint (the outer commit bumps), or nothing declared
+        value = session.execute(text(
+            "UPDATE desired_generation SET value = value + 1 WHERE id = 1 RETURNING value")).scalar()
+        if value is None:
+            session.info.pop(PATCH, None)
+            return
+        session.info[GENERATION] = session.info[LAST_GENERATION] = int(value)
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(text("SELECT pg_notify(:ch, :v)"), {"ch": CHANNEL, "v": str(value)})
+
+    @event.listens_for(factory, "after_commit")
+    def _after_commit(session: Session) -> None:
+        if session.get_nested_transaction() is not None:
+            return  # a savepoint released: the outer commit bumps and reports
+        value = session.info.pop(GENERATION, None)
+        patch = session.info.pop(PATCH, None)
+        target = getattr(factory, HOOKED)
+        if value is not None and patch is not None and target is not None:
+            target(int(value), patch)
+
+    @event.listens_for(factory, "after_soft_rollback")
+    def _after_rollback(session: Session, previous: Any) -> None:
+        if previous.nested:  # a savepoint undone: which of its declared rows stand is unknown, reload instead
+            patch = session.info.get(PATCH)
+            if patch is not None:
+                session.info[PATCH] = Patch(complete=False)
+        elif session.get_nested_transaction() is None:
+            session.info.pop(PATCH, None)
+            session.info.pop(GENERATION, None)

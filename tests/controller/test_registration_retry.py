@@ -1,0 +1,125 @@
+"""Registration that survives lost replies and bad neighbours (issues 26 item 4, 28), on SQLite and PostgreSQL.
+
+* Idempotent: a retry of a registration whose reply was lost (same registration key, enrollment token) gets the
+  same node and a valid token; an enrollment token without that key cannot take an existing node over.
+* Per-item: each row of a group-committed batch is checked as the database will check it
+  (``controller.db.fit``): a value that does not fit its column (``memory_total_mb = 2**31`` in an INTEGER) is
+  refused for its own request only; and should a refusal slip past that check, the group commit writes the
+  batch's items one by one, so it still fails only its own request.
+* Over HTTP through a proxy that loses the first reply: the agent client retries and is registered once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import func, select
+
+from agents.client import ControllerClient
+from controller import enrollment
+from controller.auth import authenticate
+from controller.db.models import Node
+from controller.desired.writers import Writers
+from controller.enrollment import Registered, Registration, register_many
+from controller.errors import Conflict, Invalid
+from kernelctl import wire
+from tests.agents.proxy import Proxy
+from tests.controller.enginekit import T0, Kit, inventory
+from tests.controller.serverutil import ControllerProcess
+
+KEY = "k" * 40
+
+
+@pytest.fixture
+def kit(db_url, tmp_path):
+    k = Kit(db_url, tmp_path)
+    yield k
+    k.close()
+
+
+def _reg(name: str, key: str | None = None, **inv) -> Registration:
+    raw = {**inventory().model_dump(), **inv}
+    return Registration(wire.RegisterRequest.model_construct(
+        node_name=name, inventory=wire.Inventory.model_construct(**raw), registration_key=key), "agent:enroll", True)
+
+
+def test_a_retry_with_the_registration_key_gets_the_same_node_and_a_fresh_token(kit: Kit) -> None:
+    with kit.tx() as s:
+        (first,) = register_many(s, [_reg("gpu-0", KEY)], now=T0)  # the reply is lost
+    with kit.tx() as s:
+        (again,) = register_many(s, [_reg("gpu-0", KEY)], now=T0)
+        (thief,) = register_many(s, [_reg("gpu-0", "x" * 40)])
+        (keyless,) = register_many(s, [_reg("gpu-0")])
+    assert isinstance(first, Registered) and isinstance(again, Registered)
+    assert again.node_id == first.node_id and again.token != first.token
+    assert isinstance(thief, Conflict) and isinstance(keyless, Conflict)  # no takeover without the key
+    with kit.tx() as s:
+        assert authenticate(s, again.token).node == "gpu-0"
+        with pytest.raises(Exception, match="revoked"):
+            authenticate(s, first.token)  # the lost reply's token is no longer valid
+        assert s.scalar(select(func.count()).select_from(Node)) == 1
+
+
+def test_a_row_that_does_not_fit_its_column_is_refused_alone(kit: Kit) -> None:
+    items = [_reg(f"gpu-{i:02d}") for i in range(36)]
+    items[17] = _reg("gpu-17", memory_total_mb=2**31)  # one past INTEGER's range
+    with kit.tx() as s:
+        out = register_many(s, items, now=T0)
+    assert isinstance(out[17], Invalid) and "memory_total_mb" in str(out[17])
+    assert all(isinstance(o, Registered) for i, o in enumerate(out) if i != 17)
+    with kit.tx() as s:
+        assert s.scalar(select(func.count()).select_from(Node)) == 35
+
+
+def test_a_refusal_the_check_misses_still_fails_only_its_own_request(kit: Kit, monkeypatch, db_backend: str) -> None:
+    monkeypatch.setattr(enrollment, "row_problem", lambda _table, _row: None)  # as if the check missed it
+
+    async def run() -> list[object]:
+        writers = Writers(kit.factory)
+        writers.start()
+        try:
+            items = [_reg(f"gpu-{i:02d}") for i in range(36)]
+            items[5] = _reg("gpu-05", memory_total_mb=2**31)
+            return await asyncio.gather(*(writers.registrations.submit(it) for it in items), return_exceptions=True)
+        finally:
+            await writers.stop()
+
+    out = asyncio.run(run())
+    others = [o for i, o in enumerate(out) if i != 5]
+    assert all(isinstance(o, Registered) for o in others), [o for o in others if not isinstance(o, Registered)]
+    if db_backend == "postgres":  # SQLite stores 64-bit integers: only PostgreSQL refuses it
+        assert isinstance(out[5], Exception) and "out of range" in str(out[5])
+
+
+def test_agent_client_retries_a_lost_registration_reply_and_gets_its_node(db_url: str, tmp_path) -> None:
+    with ControllerProcess(db_url, tmp_path) as ctl, Proxy(ctl.url) as proxy:
+        lost: list[str] = []
+
+        def lose_first(path: str) -> bool:
+            if path.endswith("/agents/register") and not lost:
+                lost.append(path)
+                return True
+            return False
+
+        proxy.lose = lose_first
+        req = wire.RegisterRequest(node_name="gpu-lost", inventory=inventory(), registration_key=KEY)
+        client = ControllerClient(proxy.url, ctl.tokens["enroll"], backoff_initial=0.05, backoff_max=0.2)
+        try:
+            reply = client.register(req)
+            hb = client.heartbeat(wire.HeartbeatRequest(node_name="gpu-lost"))
+        finally:
+            client.close()
+        assert lost and reply.node_name == "gpu-lost" and hb.node_name == "gpu-lost"
+        assert [s for m, p, s in proxy.requests if p.endswith("/agents/register")] == [200, 200]  # both committed
+        with ctl.client("enroll") as c:  # the enrollment token without the key: no takeover
+            r = c.post("/v1/agents/register", json={"node_name": "gpu-lost",
+                                                    "inventory": inventory().model_dump()})
+            assert r.status_code == 409, r.text
+        with ctl.client("operator") as op:
+            nodes = [n["name"] for n in op.get("/v1/nodes").json()]
+            assert nodes.count("gpu-lost") == 1
+            audit = op.get("/v1/audit", params={"node": "gpu-lost"}).json()
+        assert sum(1 for e in audit if e["action"] == "node.registered") == 1
+
+
