@@ -30,22 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from tenacity import Retrying, retry_if_exception_type
 
 from agents.cache import BundleCache, BundleRefused
-from agents.client import (
-    ControllerClient,
-    ControllerError,
-    DownloadError,
-    TokenStore,
-    Unreachable,
-    backoff_wait,
-)
-from agents.inventory import InventoryError, NodeInventory, collect_inventory, memory_free_fraction
+from agents.client import ControllerClient, ControllerError, DownloadError
+from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
 from agents.metrics import AgentMetrics
 from agents.outbox import Outbox, new_idempotency_key
+from agents.registration import register
 from agents.serve_gate import ServeVerdict, annotate, judge_trial
 from agents.trial import TrialAborted, TrialConfig, TrialRunner
 from agents.trial_protocol import TrafficProfile
@@ -53,7 +44,6 @@ from kernelctl.wire import (
     BundleRef,
     DesiredBundle,
     HeartbeatRequest,
-    RegisterRequest,
     TrialReport,
     TrialSpec,
 )
@@ -61,25 +51,9 @@ from kernelctl.wire import (
 log = logging.getLogger("kernelctl.agent")
 
 REFUSAL_RETRY_S = 300.0  # a refused download is tried again after this long (a fixed upload gets through)
-REGISTER_RETRY_S = 5.0  # first registration retry after about this long (exponential backoff, jitter)
-REGISTER_BACKOFF_MAX_S = 120.0
 # while the controller is unreachable, trials of the last desired state go on for this long (then stop: a
 # rollback may have happened meanwhile)
 DESIRED_STATE_TTL_S = 600.0
-
-
-class InventoryRefused(Exception):
-    """The controller refused a field of the node's inventory (422): reported, collected again, retried."""
-
-
-def _log_register_retry(retry_state: Any) -> None:
-    exc = retry_state.outcome.exception() if retry_state.outcome else None
-    log.warning("registration failed (%s); retry %d in %.1fs", exc, retry_state.attempt_number,
-                retry_state.next_action.sleep if retry_state.next_action else 0.0)
-
-
-class AgentFatal(Exception):
-    """The agent cannot continue (e.g. its token is refused); the CLI exits non-zero with this message."""
 
 
 @dataclass
@@ -245,53 +219,11 @@ class Agent:
 
     # ------------------------------------------------------------------------------- registration
     def _register(self) -> None:
-        """Register until it succeeds or the agent stops: a retryable answer (the controller unreachable, busy,
-        a lost reply) or a refused inventory (reported, collected again) is retried with exponential backoff
-        and jitter, never fatal; a refusal the agent cannot fix (a token that may not register this node) is."""
-        cfg = self.cfg
-        store = TokenStore(cfg.cache_dir)
-        if not (store.load(cfg.controller_url, cfg.node_name) or cfg.token):
-            raise AgentFatal("no agent token: pass --token (an enrollment token) or set KERNELCTL_AGENT_TOKEN")
-        key = store.registration_key(cfg.controller_url, cfg.node_name)  # persisted before the first attempt
-        retrying = Retrying(retry=retry_if_exception_type((Unreachable, InventoryRefused)),
-                            wait=backoff_wait(REGISTER_RETRY_S / 4, REGISTER_BACKOFF_MAX_S),
-                            stop=lambda _rs: self.stop_event.is_set(), sleep=self.stop_event.wait,
-                            before_sleep=_log_register_retry, reraise=True)
-        with contextlib.suppress(Unreachable, InventoryRefused):  # only when stopped meanwhile
-            retrying(self._register_once, store, key)
-
-    def _register_once(self, store: TokenStore, key: str) -> None:
-        cfg, node = self.cfg, self.node
-        assert node is not None
-        saved = store.load(cfg.controller_url, cfg.node_name)
-        req = RegisterRequest(node_name=cfg.node_name, inventory=node.inventory, registration_key=key)
-        for token in [t for t in (saved, cfg.token) if t]:
-            client = ControllerClient(cfg.controller_url, token, timeout=cfg.http_timeout_s,
-                                      stop_event=self.stop_event)
-            try:
-                reply = client.register(req)
-            except ControllerError as exc:
-                client.close()
-                if isinstance(exc, Unreachable):
-                    raise
-                if exc.status in (401, 403) and token is saved:
-                    log.warning("saved node token refused (%s); registering with the enrollment token", exc)
-                    continue
-                if exc.status == 422:  # a bad inventory field: reported, collected again, retried
-                    log.error("registration refused, inventory collected again before the retry: %s", exc)
-                    try:
-                        self.node = collect_inventory(cfg.inventory_overrides)
-                    except InventoryError as bad:  # still wrong here: reported, the retry waits for a fix
-                        log.error("%s", bad)
-                    raise InventoryRefused(str(exc)) from exc
-                raise AgentFatal(f"registration refused: {exc}") from exc
-            store.save(cfg.controller_url, cfg.node_name, reply.node_token)
-            self.client = client
-            self.heartbeat_seconds = reply.heartbeat_seconds
-            log.info("registered as %s (arch %s); heartbeat every %.1fs", reply.node_name, node.arch,
-                     reply.heartbeat_seconds)
-            return
-        raise AgentFatal("registration refused: no token left to try")
+        """Register until it succeeds or the agent stops (:func:`agents.registration.register`)."""
+        assert self.node is not None
+        done = register(self.cfg, self.node, self.stop_event)
+        if done is not None:
+            self.client, self.heartbeat_seconds, self.node = done.client, done.heartbeat_seconds, done.node
 
     # --------------------------------------------------------------------------------------- tick
     def tick(self) -> bool:

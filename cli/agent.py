@@ -52,8 +52,9 @@ def agent_command(
         return
     _setup_logging(settings.log_level, settings.log_format)
 
-    from agents.daemon import Agent, AgentConfig, AgentFatal
+    from agents.daemon import Agent, AgentConfig
     from agents.inventory import InventoryError, collect_inventory
+    from agents.registration import AgentFatal
     from agents.trial_protocol import ProfileError, load_profile
     from kernelctl.wire import NAME_PATTERN
 
