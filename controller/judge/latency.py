@@ -78,8 +78,8 @@ class LatencyVerdict:
     decision: Literal["regress", "pass", "hold"]
     n: int
     mean: float | None
-    lower: float
-    upper: float
+    lower: float | None  # None: the regress side has refuted nothing (no lower bound beyond the clip)
+    upper: float | None  # None: the pass side has refuted nothing
     margin: float
     alpha: float
     clipped: int
@@ -122,7 +122,8 @@ def decide(regress_wealth: np.ndarray, pass_wealth: np.ndarray, n: np.ndarray, *
            min_samples: int, alpha_pass: float | None = None) -> np.ndarray:
     """Vectorised decision rule shared by :func:`judge_latency` and the simulator (HOLD/PASS/REGRESS codes).
 
-    Inputs are running-max log-wealths of the two margin tests and the sample counts at the same looks.
+    Inputs are the log-wealths of the two margin tests (regress: its running maximum; pass: its current
+    value, so a pass holds only while it still holds) and the sample counts at the same looks.
     """
     thr = math.log(1.0 / alpha)
     thr_pass = thr if alpha_pass is None else math.log(1.0 / alpha_pass)
@@ -137,7 +138,7 @@ def decide(regress_wealth: np.ndarray, pass_wealth: np.ndarray, n: np.ndarray, *
 def sequential_wealth(x: np.ndarray, *, margin: float, resolution: float, clip: float,
                       cap: float = DEFAULT_BET_CAP, prev: np.ndarray | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Running-max log-wealth of the regress and pass tests over the last axis (vectorised core)."""
+    """Log-wealth of the regress (running max) and pass (current) tests over the last axis (vectorised)."""
     up = margin_test(x, side="regress", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
     down = margin_test(x, side="pass", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
     return up, down
@@ -285,7 +286,7 @@ def judge_latency(
     if dropped:
         notes += f"; {dropped} sample(s) ignored by per-node balance (max share {max_node_share:.0%})"
     if n == 0:
-        return LatencyVerdict(decision="hold", mean=None, lower=-clip, upper=clip,
+        return LatencyVerdict(decision="hold", mean=None, lower=None, upper=None,
                               reason=f"no samples yet (need {min_samples}){notes}", **common)
     kw = {"margin": margin, "resolution": resolution, "far": clip, "cap": lambda_cap, "prev": prev}
     up, down = sequential_wealth(x, margin=margin, resolution=resolution, clip=clip, cap=lambda_cap, prev=prev)
@@ -297,6 +298,9 @@ def judge_latency(
     # resolve the bisection tolerance in favour of the margin tests themselves
     lower = max(lower, margin) if w_up >= math.log(1.0 / alpha) else min(lower, margin - 1e-12)
     upper = min(upper, margin) if w_down >= math.log(1.0 / alpha_pass) else max(upper, margin + 1e-12)
+    # a side that refuted nothing has no bound (the clip value it returns is not a measurement)
+    low: float | None = lower if lower > -clip + 1e-9 else None
+    up_b: float | None = upper if upper < clip - 1e-9 else None
     mean = float(np.clip(x, -clip, clip).mean())
     span = f"over {n} samples"
     if n < min_samples:
@@ -306,8 +310,8 @@ def judge_latency(
     elif code == PASS:
         reason = f"candidate within margin: upper bound {_pct(upper)} < margin {_pct(margin)} {span}"
     else:
-        reason = (f"inconclusive: interval [{_pct(lower)}, {_pct(upper)}] contains margin {_pct(margin)} "
-                  f"{span} (mean {_pct(mean)})")
-    return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=lower, upper=upper,
+        reason = (f"inconclusive: upper bound {'none yet' if up_b is None else _pct(up_b)} not below the margin "
+                  f"{_pct(margin)} {span} (mean {_pct(mean)})")
+    return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=low, upper=up_b,
                           reason=reason + notes, log_wealth_regress=w_up, log_wealth_pass=w_down, **common)
 

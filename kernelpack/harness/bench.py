@@ -5,6 +5,12 @@
 * ``paired_latency``: stable and candidate are measured interleaved in ABBA order every round on the same
   inputs, so drift (clocks, thermal, neighbours) hits both equally; the unit of evidence is the per-round
   ``log_ratio = ln(candidate_s / stable_s)``.
+* ``interleaved_calls`` / ``paired_calls`` (what the trial's latency phase uses, issue 25): after a warm-up,
+  individual calls of both versions timed in ABBA quads (so contention hits both), grouped into fixed windows;
+  per arm :class:`ArmTimes` (every call's time and the per-window means) and :func:`arm_summary` (n, mean,
+  p50, p99, window means) for the judge. CUDA: the stream is held by a ``torch.cuda._sleep`` while a window
+  is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap; CPU: the
+  ``timer`` around each call (the trial passes ``time.thread_time``: the interpreter's Python work).
 * ``launches_per_call``: on CUDA, Triton's ``knobs.runtime.launch_enter_hook`` (fires once per real kernel
   launch from the compiled launcher). The interpreter never calls that hook, so under ``TRITON_INTERPRET=1``
   the fallback counts calls of ``triton.runtime.interpreter.GridExecutor.__call__`` (one per grid launch)
@@ -104,6 +110,106 @@ def median_time(
         fn()
         times.append(timer() - t0)
     return statistics.median(times)
+
+
+@dataclass
+class ArmTimes:
+    """Every timed call of one version (seconds, measurement order) and its per-window means."""
+
+    calls: list[float]
+    windows: list[float]
+
+
+def quantile(sorted_times: Sequence[float], q: float) -> float:
+    """The ``ceil(q n)``-th smallest value (an order statistic: no interpolation past the largest call)."""
+    n = len(sorted_times)
+    return float(sorted_times[min(n - 1, max(0, math.ceil(q * n) - 1))])
+
+
+def arm_summary(arm: ArmTimes) -> dict[str, object]:
+    """What the report carries per arm: n, mean, p50, p99 (order statistics) and the window means."""
+    if not arm.calls:
+        raise HarnessError("an arm needs at least one timed call")
+    st = sorted(arm.calls)
+    return {"n": len(st), "mean_s": max(statistics.fmean(st), 1e-9), "p50_s": max(quantile(st, 0.5), 1e-9),
+            "p99_s": max(quantile(st, 0.99), 1e-9), "windows_s": [max(w, 1e-9) for w in arm.windows]}
+
+
+def interleaved_calls(
+    run_a: Callable[[], object],
+    run_b: Callable[[], object],
+    *,
+    device: str | torch.device,
+    windows: int,
+    quads: int,
+    warmup_calls: int = 1,
+    timer: Callable[[], float] = time.perf_counter,
+) -> tuple[ArmTimes, ArmTimes]:
+    """Individual calls of A and B, timed in ``windows`` windows of ``quads`` ABBA quads (2 * quads calls per
+    arm and window), after ``warmup_calls`` untimed calls of each. See the module docstring for the clocks."""
+    if windows < 1 or quads < 1:
+        raise HarnessError(f"windows and quads must be >= 1, got {windows} and {quads}")
+    dev = resolve_device(device)
+    for _ in range(max(0, warmup_calls)):
+        run_a()
+        run_b()
+    a, b = ArmTimes([], []), ArmTimes([], [])
+    order = (0, 1, 1, 0) * quads
+    for _ in range(windows):
+        if _is_cuda(dev):
+            times = _cuda_window((run_a, run_b), order, dev)
+        else:
+            times = []
+            for arm in order:
+                fn = run_b if arm else run_a
+                t0 = timer()
+                fn()
+                times.append(timer() - t0)
+        for arm, acc in ((0, a), (1, b)):
+            mine = [t for o, t in zip(order, times, strict=True) if o == arm]
+            acc.calls.extend(mine)
+            acc.windows.append(statistics.fmean(mine))
+    return a, b
+
+
+def _cuda_window(fns: tuple[Callable[[], object], Callable[[], object]], order: Sequence[int],
+                 dev: torch.device) -> list[float]:
+    """One window on the GPU: the stream held by a sleep kernel while every call is enqueued between events."""
+    with torch.cuda.device(dev):
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
+        torch.cuda._sleep(50_000 * len(order))  # ~25 us per call: the host enqueues the window before the GPU runs it
+        for arm, (start, end) in zip(order, ev, strict=True):
+            start.record()
+            fns[arm]()
+            end.record()
+        torch.cuda.synchronize(dev)
+        return [max(s.elapsed_time(e), 1e-6) / 1e3 for s, e in ev]
+
+
+def paired_calls(
+    stable: tuple[KernelOp, Mapping],
+    candidate: tuple[KernelOp, Mapping],
+    dtype: str,
+    shape: Shape,
+    *,
+    device: str | torch.device,
+    seed: int,
+    windows: int,
+    quads: int,
+    warmup_calls: int = 1,
+    timer: Callable[[], float] = time.perf_counter,
+) -> tuple[ArmTimes, ArmTimes]:
+    """:func:`interleaved_calls` of one op's stable and candidate versions on the same seeded inputs."""
+    s_op, c_op = stable[0], candidate[0]
+    if s_op.name != c_op.name:
+        raise HarnessError(f"cannot pair different ops: stable {s_op.name!r} vs candidate {c_op.name!r}")
+    tdtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    for op in (s_op, c_op):
+        op.domain.check(tdtype, shape)
+    inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
+    return interleaved_calls(_runner(s_op, stable[1], inputs), _runner(c_op, candidate[1], inputs), device=dev,
+                             windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer)
 
 
 def _runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
