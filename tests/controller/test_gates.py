@@ -235,3 +235,17 @@ def test_hard_gate_evidence_names_the_gate() -> None:
                                       "lower": None, "upper": None, "margin": None, "n": 1, "decision": "fail",
                                       "deciding": True, "statistic": None, "bound": None, "bound_side": None,
                                       "arms": None}]
+
+
+def test_the_decision_function_stays_small() -> None:
+    """Issue 25: ``gates._decide`` and the gate modules at cyclomatic complexity <= 15 (ruff's C901)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    ruff = Path(sys.executable).with_name("ruff")
+    res = subprocess.run([str(ruff), "check", "--select", "C901", "--config", "lint.mccabe.max-complexity=15",
+                          "controller/gates.py", "controller/judge"], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr

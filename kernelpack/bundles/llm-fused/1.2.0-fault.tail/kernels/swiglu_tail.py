@@ -1,9 +1,9 @@
-"""FAULT FIXTURE (llm-fused 1.2.0-fault.tail): swiglu with a slow tail, every 16th call three times the work.
+"""FAULT FIXTURE (llm-fused 1.2.0-fault.tail): swiglu with a slow tail, every 10th call three times the work.
 
 Reuses the stable op (``stable_swiglu``: kernelpack.kernels.swiglu, bundled): a normal call *is* the stable call.
 A slow call launches a kernel whose grid holds each block ``REP`` times (the copies compute and store the same
 values): one launch, the same memory and output, ``REP`` times the work on a GPU and under the interpreter
-alike. Here every 16th call of a shape (counted per token count) runs its blocks 3 times over. Never ship this.
+alike. Here every 10th call of a shape (counted per token count) runs its blocks 3 times over. Never ship this.
 """
 
 from __future__ import annotations
