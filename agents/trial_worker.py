@@ -428,10 +428,12 @@ class Worker:
         with self.phase("latency"):
             self._time_cells(plan, cuda)
 
-    # trial timing (issue 25): individual calls, ABBA quads, fixed windows; GPU: ~ 0.5 s of warm-up calls per
-    # cell (shared by both arms, clocks settle under the load), then 32 windows of 8 quads (512 calls per arm);
-    # the interpreter: one warm-up call, 6 windows of 1 quad (12 calls per arm), the thread's CPU time
-    GPU_WINDOWS, GPU_QUADS, GPU_WARMUP_S = 32, 8, 0.5
+    # trial timing (issue 25): individual calls in ABBA quads, fixed windows of 8 quads (16 calls per arm). GPU:
+    # one shared warm-up of GPU_WARMUP_S at the start of the phase (clocks settle under the load), 10 untimed
+    # calls per cell (caches), then up to 32 windows (512 calls per arm), fewer for a slow cell once it has used
+    # GPU_CELL_BUDGET_S (never under 4 windows, 64 calls per arm). The interpreter: one warm-up call, 6 windows
+    # of 1 quad (12 calls per arm), the trial thread's CPU time.
+    GPU_WINDOWS, GPU_QUADS, GPU_WARMUP_S, GPU_CELL_BUDGET_S = 32, 8, 1.0, 0.25
     CPU_WINDOWS, CPU_QUADS = 6, 1
 
     def _time_cells(self, plan: list[tuple[str, str, list[dict[str, int]], Any]], cuda: bool) -> None:
@@ -440,10 +442,12 @@ class Worker:
         from kernelpack.kernels.spec import DomainError
 
         spec = self.spec
-        timing: dict[str, Any] = ({"windows": self.GPU_WINDOWS, "quads": self.GPU_QUADS, "warmup_calls": 0,
-                                   "timer": time.perf_counter} if cuda else
+        timing: dict[str, Any] = ({"windows": self.GPU_WINDOWS, "quads": self.GPU_QUADS, "warmup_calls": 10,
+                                   "timer": time.perf_counter, "budget_s": self.GPU_CELL_BUDGET_S} if cuda else
                                   {"windows": self.CPU_WINDOWS, "quads": self.CPU_QUADS, "warmup_calls": 1,
                                    "timer": time.thread_time})
+        if cuda:
+            self._warm_up(plan)
         for k, (name, dtype, shapes, _cap) in enumerate(plan):
             if not shapes:
                 self.notes.append(f"{name}: no profile shape inside the op's domain; latency skipped")
@@ -452,8 +456,6 @@ class Worker:
                 continue
             for j, shape in enumerate(shapes):
                 try:
-                    if cuda:  # warm-up: calls until GPU_WARMUP_S has passed (clocks and caches settle)
-                        timing["warmup_calls"] = self._warmup_calls(name, dtype, shape)
                     st, ca = paired_calls(self.stable[name], self.cand[name], dtype, shape, device=self.device,
                                           seed=spec.seed + 7 * k + j, **timing)
                 except DomainError as exc:
@@ -462,17 +464,31 @@ class Worker:
                 self.result.cells.append({"op": name, "tokens": int(shape[token_dim(shape)]),
                                           "stable": arm_summary(st), "candidate": arm_summary(ca)})
 
-    def _warmup_calls(self, name: str, dtype: str, shape: dict[str, int]) -> int:
-        """How many calls of the candidate fill ``GPU_WARMUP_S`` (one timed call decides; at most 20,000)."""
-        from kernelpack.harness.bench import median_time
+    def _warm_up(self, plan: list[tuple[str, str, list[dict[str, int]], Any]]) -> None:
+        """GPU_WARMUP_S of calls of the largest cell, both arms alternately: the GPU's clocks settle once per trial."""
+        from kernelpack.harness.bench import call_runner
         from kernelpack.harness.numerics import make_generator, resolve_dtype
+        from kernelpack.kernels.spec import DomainError
 
-        op, cfg = self.cand[name]
-        inputs = op.make_inputs(dict(shape), resolve_dtype(dtype), self.device, make_generator(self.device, 0))
-        outs = op.alloc_outputs(inputs)
-        one = median_time(lambda: op.run(inputs, outs, {**op.default_config, **cfg}), device=self.device,
-                          warmup_ms=1.0, rep_ms=2.0)
-        return int(min(20_000, max(10, self.GPU_WARMUP_S / 2 / max(one, 1e-7))))
+        cells = [(math.prod(s.values()), name, dtype, s) for name, dtype, shapes, _ in plan if name in self.stable
+                 for s in shapes]
+        if not cells:
+            return
+        _, name, dtype, shape = max(cells, key=lambda c: c[0])
+        try:
+            inputs = self.cand[name][0].make_inputs(dict(shape), resolve_dtype(dtype), self.device,
+                                                    make_generator(self.device, self.spec.seed))
+        except DomainError:
+            return
+        runs = [call_runner(*self.stable[name], inputs), call_runner(*self.cand[name], inputs)]
+        end = time.perf_counter() + self.GPU_WARMUP_S
+        calls = 0
+        while time.perf_counter() < end:
+            runs[calls % 2]()
+            calls += 1
+            if calls % 16 == 0:
+                sys.modules["torch"].cuda.synchronize(self.device)
+        self.notes.append(f"latency warm-up: {calls} calls of {name} {shape} in {self.GPU_WARMUP_S:g} s")
 
     def _capacity(self, version: Any, dtype: str, shape: dict[str, int], measure_launches: Any, peak_fn: Any,
                   count_launches: Any, make_generator: Any, resolve_dtype: Any) -> tuple[int, int]:

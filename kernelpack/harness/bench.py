@@ -144,11 +144,16 @@ def interleaved_calls(
     quads: int,
     warmup_calls: int = 1,
     timer: Callable[[], float] = time.perf_counter,
+    budget_s: float | None = None,
+    min_windows: int = 4,
 ) -> tuple[ArmTimes, ArmTimes]:
     """Individual calls of A and B, timed in ``windows`` windows of ``quads`` ABBA quads (2 * quads calls per
-    arm and window), after ``warmup_calls`` untimed calls of each. See the module docstring for the clocks."""
+    arm and window), after ``warmup_calls`` untimed calls of each. See the module docstring for the clocks.
+    ``budget_s``: stop after the window that passes this much wall time, once ``min_windows`` are done (a slow
+    cell gets fewer calls, never fewer than ``min_windows * 2 * quads`` per arm)."""
     if windows < 1 or quads < 1:
         raise HarnessError(f"windows and quads must be >= 1, got {windows} and {quads}")
+    start = time.perf_counter()
     dev = resolve_device(device)
     for _ in range(max(0, warmup_calls)):
         run_a()
@@ -169,6 +174,8 @@ def interleaved_calls(
             mine = [t for o, t in zip(order, times, strict=True) if o == arm]
             acc.calls.extend(mine)
             acc.windows.append(statistics.fmean(mine))
+        if budget_s is not None and len(a.windows) >= min_windows and time.perf_counter() - start >= budget_s:
+            break
     return a, b
 
 
@@ -198,6 +205,7 @@ def paired_calls(
     quads: int,
     warmup_calls: int = 1,
     timer: Callable[[], float] = time.perf_counter,
+    budget_s: float | None = None,
 ) -> tuple[ArmTimes, ArmTimes]:
     """:func:`interleaved_calls` of one op's stable and candidate versions on the same seeded inputs."""
     s_op, c_op = stable[0], candidate[0]
@@ -208,11 +216,13 @@ def paired_calls(
     for op in (s_op, c_op):
         op.domain.check(tdtype, shape)
     inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
-    return interleaved_calls(_runner(s_op, stable[1], inputs), _runner(c_op, candidate[1], inputs), device=dev,
-                             windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer)
+    return interleaved_calls(call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs), device=dev,
+                             windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer,
+                             budget_s=budget_s)
 
 
-def _runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """One call of ``op`` on ``inputs`` into poisoned outputs allocated once (what every timing times)."""
     outs = alloc_poisoned(op, inputs)
     cfg = merged_config(op, config)
     inp = dict(inputs)
@@ -257,7 +267,7 @@ def paired_latency(
         for op in (s_op, c_op):
             op.domain.check(tdtype, shape)
         inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed + i))
-        prepared.append((dict(shape), _runner(s_op, stable[1], inputs), _runner(c_op, candidate[1], inputs)))
+        prepared.append((dict(shape), call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs)))
     pairs: list[LatencyPair] = []
     for r in range(rounds):
         for shape, run_s, run_c in prepared:
@@ -304,7 +314,7 @@ def count_launches() -> Iterator[list[int]]:
 def launches_per_call(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> int:
     """Number of Triton kernel launches one ``op.run`` makes (CUDA: warmed up first, so compilation and
     autotuning runs are not counted)."""
-    call = _runner(op, config, inputs)
+    call = call_runner(op, config, inputs)
     dev = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     if _is_cuda(dev):
         call()
@@ -373,7 +383,7 @@ def bench_op(
     dev = resolve_device(device)
     op.domain.check(tdtype, shape)
     inputs = op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
-    call = _runner(op, config, inputs)
+    call = call_runner(op, config, inputs)
     if rep_ms is None:
         rep_ms = 100.0 if _is_cuda(dev) else 0.0
     median_s = median_time(call, device=dev, rep_ms=rep_ms, min_reps=3)
