@@ -438,7 +438,7 @@ class Worker:
 
     def _time_cells(self, plan: list[tuple[str, str, list[dict[str, int]], Any]], cuda: bool) -> None:
         """Every cell of the profile (every op at every size), both arms, in every report."""
-        from kernelpack.harness.bench import arm_summary, paired_calls
+        from kernelpack.harness.bench import arm_summary, drop_contended, paired_calls
         from kernelpack.kernels.spec import DomainError
 
         spec = self.spec
@@ -461,8 +461,10 @@ class Worker:
                 except DomainError as exc:
                     self.notes.append(f"{name}: latency shape {shape} skipped: {exc}")
                     continue
+                st, ca, dropped = drop_contended(st, ca)
                 self.result.cells.append({"op": name, "tokens": int(shape[token_dim(shape)]),
-                                          "stable": arm_summary(st), "candidate": arm_summary(ca)})
+                                          "stable": arm_summary(st), "candidate": arm_summary(ca),
+                                          "contended_windows": dropped})
 
     def _warm_up(self, plan: list[tuple[str, str, list[dict[str, int]], Any]]) -> None:
         """GPU_WARMUP_S of calls of the largest cell, both arms alternately: the GPU's clocks settle once per trial."""
@@ -567,10 +569,10 @@ class Worker:
                     cand.pop(bad, None)
             self.result.e2e_pairs = [{"stable_s": max(a, 1e-9), "candidate_s": max(b, 1e-9)}
                                      for a, b in zip(res.a_s, res.b_s, strict=True)]
-            from kernelpack.harness.bench import ArmTimes, arm_summary
+            from kernelpack.harness.bench import ArmTimes, arm_summary, drop_contended
 
-            self.result.e2e = {"stable": arm_summary(ArmTimes(res.a_calls, res.a_s)),
-                               "candidate": arm_summary(ArmTimes(res.b_calls, res.b_s))}
+            st, ca, dropped = drop_contended(ArmTimes(res.a_calls, res.a_s), ArmTimes(res.b_calls, res.b_s))
+            self.result.e2e = {"stable": arm_summary(st), "candidate": arm_summary(ca), "contended_windows": dropped}
             if self.device.type == "cuda" and not res.graphed:
                 self.notes.append("decoder block timed eagerly (CUDA graph capture failed)")
             self.result.e2e_stable_s = max(sorted(res.a_s)[len(res.a_s) // 2], 1e-9)

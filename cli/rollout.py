@@ -163,10 +163,13 @@ def _fmt_seconds(x: float) -> str:
 
 def _fmt_arm(m: dict[str, Any], arm: str) -> str:
     """One arm of a latency metric: its mean and p99 (and n) in the latest report."""
-    a = ((m.get("arms") or {}).get(arm)) or {}
+    arms = m.get("arms") or {}
+    a = arms.get(arm) or {}
     if not a:
         return "-"
-    return f"mean {_fmt_seconds(a['mean_s'])}, p99 {_fmt_seconds(a['p99_s'])} (n {a['n']})"
+    dropped = arms.get("contended_windows") or 0
+    return (f"mean {_fmt_seconds(a['mean_s'])}, p99 {_fmt_seconds(a['p99_s'])} (n {a['n']}"
+            + (f"; {dropped} contended window(s) dropped" if dropped else "") + ")")
 
 
 def _fmt_bound(m: dict[str, Any]) -> str:

@@ -61,6 +61,7 @@ class LatencySignal(_Model):
     p99: float  # ln(p99_candidate / p99_stable)
     stable: ArmSignal
     candidate: ArmSignal
+    contended_windows: int = 0  # windows the trial dropped from both arms (stable slow in them: a busy device)
 
     def value(self, stat: Statistic) -> float:
         return self.mean if stat is Statistic.MEAN else self.p99
@@ -71,7 +72,8 @@ class LatencySignal(_Model):
         return cls.model_construct(
             mean=math.log(ca.mean_s / st.mean_s), p99=math.log(ca.p99_s / st.p99_s),
             stable=ArmSignal.model_construct(n=st.n, mean_s=st.mean_s, p50_s=st.p50_s, p99_s=st.p99_s),
-            candidate=ArmSignal.model_construct(n=ca.n, mean_s=ca.mean_s, p50_s=ca.p50_s, p99_s=ca.p99_s))
+            candidate=ArmSignal.model_construct(n=ca.n, mean_s=ca.mean_s, p50_s=ca.p50_s, p99_s=ca.p99_s),
+            contended_windows=arms.contended_windows)
 
 
 class AggregateSignal(_Model):

@@ -250,10 +250,12 @@ class ArmLatency(Strict):
 
 
 class ArmsLatency(Strict):
-    """Both versions' :class:`ArmLatency`, measured interleaved on the same node and inputs."""
+    """Both versions' :class:`ArmLatency`, measured interleaved on the same node and inputs;
+    ``contended_windows``: windows dropped from both arms because stable ran slow in them (a busy device)."""
 
     stable: ArmLatency
     candidate: ArmLatency
+    contended_windows: int = Field(0, ge=0, le=1000)
 
 
 class CellLatency(ArmsLatency):

@@ -2,15 +2,15 @@
 
 * ``median_time``: CUDA uses ``triton.testing.do_bench`` (CUDA events, L2 flushed, median); CPU (Triton
   interpreter) uses the median of ``time.perf_counter`` around repeated calls after a warm-up call.
-* ``paired_latency``: stable and candidate are measured interleaved in ABBA order every round on the same
-  inputs, so drift (clocks, thermal, neighbours) hits both equally; the unit of evidence is the per-round
-  ``log_ratio = ln(candidate_s / stable_s)``.
 * ``interleaved_calls`` / ``paired_calls`` (what the trial's latency phase uses, issue 25): after a warm-up,
   individual calls of both versions timed in ABBA quads (so contention hits both), grouped into fixed windows;
   per arm :class:`ArmTimes` (every call's time and the per-window means) and :func:`arm_summary` (n, mean,
   p50, p99, window means) for the judge. CUDA: the stream is held by a ``torch.cuda._sleep`` while a window
   is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap; CPU: the
   ``timer`` around each call (the trial passes ``time.thread_time``: the interpreter's Python work).
+  :func:`drop_contended` removes, from both arms, the windows in which *stable* ran slower than
+  ``CONTENDED`` x its median window (a neighbour on the device: the stable arm alone decides, so a candidate's
+  own slowness can never get its windows dropped); the count travels with the report.
 * ``launches_per_call``: on CUDA, Triton's ``knobs.runtime.launch_enter_hook`` (fires once per real kernel
   launch from the compiled launcher). The interpreter never calls that hook, so under ``TRITON_INTERPRET=1``
   the fallback counts calls of ``triton.runtime.interpreter.GridExecutor.__call__`` (one per grid launch)
@@ -42,17 +42,6 @@ from kernelpack.harness.numerics import (
     resolve_dtype,
 )
 from kernelpack.kernels.spec import KernelOp, Shape
-
-
-@dataclass
-class LatencyPair:
-    """One round of one shape; ``log_ratio > 0`` means the candidate was slower."""
-
-    shape: dict[str, int]
-    round: int
-    stable_s: float
-    candidate_s: float
-    log_ratio: float
 
 
 @dataclass
@@ -114,10 +103,32 @@ def median_time(
 
 @dataclass
 class ArmTimes:
-    """Every timed call of one version (seconds, measurement order) and its per-window means."""
+    """Every timed call of one version (seconds, measurement order, the same number per window) and its
+    per-window means."""
 
     calls: list[float]
     windows: list[float]
+
+
+CONTENDED = 1.5
+"""A window whose stable mean is over this multiple of stable's median window mean is contended."""
+
+
+def drop_contended(stable: ArmTimes, candidate: ArmTimes, factor: float = CONTENDED
+                   ) -> tuple[ArmTimes, ArmTimes, int]:
+    """Both arms without the windows in which stable was contended (see the module docstring); the count."""
+    if len(stable.windows) < 3:
+        return stable, candidate, 0
+    limit = factor * statistics.median(stable.windows)
+    keep = [w for w, t in enumerate(stable.windows) if t <= limit]
+    if len(keep) == len(stable.windows):
+        return stable, candidate, 0
+
+    def pick(arm: ArmTimes) -> ArmTimes:
+        per = len(arm.calls) // len(arm.windows)
+        return ArmTimes([c for w in keep for c in arm.calls[w * per:(w + 1) * per]], [arm.windows[w] for w in keep])
+
+    return pick(stable), pick(candidate), len(stable.windows) - len(keep)
 
 
 def quantile(sorted_times: Sequence[float], q: float) -> float:
@@ -231,54 +242,6 @@ def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch
         op.run(inp, outs, cfg)
 
     return call
-
-
-def paired_latency(
-    stable: tuple[KernelOp, Mapping],
-    candidate: tuple[KernelOp, Mapping],
-    dtype: str,
-    shapes: Sequence[Shape],
-    *,
-    device: str | torch.device,
-    rounds: int,
-    seed: int,
-    rep_ms: float | None = None,
-    timer: Callable[[], float] = time.perf_counter,
-) -> list[LatencyPair]:
-    """Interleaved stable/candidate latency: per round and shape, ABBA order on the same inputs.
-
-    ``stable_s``/``candidate_s`` are the means of each version's two measurements in the round; each
-    measurement is a ``median_time`` (``rep_ms`` defaults to 20 ms on CUDA, 0 on CPU = ``min_reps`` calls).
-    """
-    if rounds < 1:
-        raise HarnessError(f"rounds must be >= 1, got {rounds}")
-    if not shapes:
-        raise HarnessError("paired_latency needs at least one shape")
-    s_op, c_op = stable[0], candidate[0]
-    if s_op.name != c_op.name:
-        raise HarnessError(f"cannot pair different ops: stable {s_op.name!r} vs candidate {c_op.name!r}")
-    tdtype = resolve_dtype(dtype)
-    dev = resolve_device(device)
-    if rep_ms is None:
-        rep_ms = 20.0 if _is_cuda(dev) else 0.0
-    timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": 3, "timer": timer}
-    prepared = []
-    for i, shape in enumerate(shapes):
-        for op in (s_op, c_op):
-            op.domain.check(tdtype, shape)
-        inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed + i))
-        prepared.append((dict(shape), call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs)))
-    pairs: list[LatencyPair] = []
-    for r in range(rounds):
-        for shape, run_s, run_c in prepared:
-            a1 = median_time(run_s, **timing)
-            b1 = median_time(run_c, **timing)
-            b2 = median_time(run_c, **timing)
-            a2 = median_time(run_s, **timing)
-            st, ca = (a1 + a2) / 2, (b1 + b2) / 2
-            pairs.append(LatencyPair(shape=shape, round=r, stable_s=st, candidate_s=ca,
-                                     log_ratio=math.log(ca / st)))
-    return pairs
 
 
 @contextlib.contextmanager

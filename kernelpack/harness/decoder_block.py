@@ -14,8 +14,8 @@ vLLM::
 Each stage runs the bundle's kernel when the ``ops`` mapping has it (name -> (KernelOp, config)) and
 eager PyTorch otherwise, so a bundle that ships one op still gets an end-to-end number. The same stage code
 run in float64 is the reference; the eager block in the input dtype is the baseline the kernels must not be
-much worse than. ``decoder_block_latency`` measures two op sets interleaved (ABBA per round) like
-``paired_latency``.
+much worse than. ``decoder_block_latency`` times two op sets call by call, interleaved (ABBA quads, one window
+per round), like :func:`kernelpack.harness.bench.paired_calls`.
 """
 
 from __future__ import annotations

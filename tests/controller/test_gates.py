@@ -145,7 +145,7 @@ def test_one_regressed_cell_rolls_back_and_is_named() -> None:
     c = m["latency:swiglu@1:mean"]
     assert c["deciding"] and c["decision"] == "regress" and c["bound_side"] == "lower" and c["bound"] > c["margin"]
     assert c["kind"] == "latency_cell" and m["latency:aggregate:mean"]["kind"] == "latency_aggregate"
-    assert c["arms"]["stable"]["n"] == 512 and c["statistic"] == "mean"
+    assert c["arms"]["stable"]["n"] == 512 and c["arms"]["contended_windows"] == 0 and c["statistic"] == "mean"
     assert sum(x["deciding"] for x in d.evidence["metrics"]) == 1
     # the aggregate alone moved by under 2%: inside the margin
     assert abs(m["latency:aggregate:mean"]["value"]) < math.log1p(PLAN.latency_margin)

@@ -36,11 +36,12 @@ def test_aggregate_is_time_weighted_and_needs_every_weighted_cell() -> None:
     c = np.array([[1.0, 11.0]])
     assert aggregate_log_ratio(s, c, np.array([1.0, 1.0]))[0] == pytest.approx(math.log(12 / 11))
     cell = wire.CellLatency(op="x", tokens=1, stable=wire.ArmLatency(n=4, mean_s=1.0, p50_s=1.0, p99_s=1.2),
-                            candidate=wire.ArmLatency(n=4, mean_s=1.1, p50_s=1.1, p99_s=1.5))
+                            candidate=wire.ArmLatency(n=4, mean_s=1.1, p50_s=1.1, p99_s=1.5), contended_windows=2)
     heavy = wire.CellWeight(op="y", tokens=1, weight=6.0)
     light = wire.CellWeight(op="x", tokens=1, weight=4.0)
     sig = report_signals(report(cells=[cell], weights=[light, heavy]))
     assert sig.aggregate is None and sig.cells["x@1"].mean == pytest.approx(math.log(1.1))  # y@1 unmeasured
+    assert sig.cells["x@1"].contended_windows == 2  # what the trial dropped travels to the evidence
     assert aggregate(sig.cells, [light]).p99 == pytest.approx(math.log(1.5 / 1.2))
 
 

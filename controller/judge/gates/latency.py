@@ -66,7 +66,8 @@ def _arms(ev: StepEvidence, base: str) -> dict[str, object] | None:
     for _node, sig in reversed(ev.reports):
         c = sig.e2e if base == E2E else sig.cells.get(base.split(":", 1)[1])
         if c is not None:
-            return {"stable": c.stable.model_dump(), "candidate": c.candidate.model_dump()}
+            return {"stable": c.stable.model_dump(), "candidate": c.candidate.model_dump(),
+                    "contended_windows": c.contended_windows}
     return None
 
 

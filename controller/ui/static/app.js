@@ -360,7 +360,9 @@ function fmtSeconds(x) {
 /** One arm of a latency metric in the latest report: mean and p99 (n calls). */
 function fmtArm(m, arm) {
   const a = (m.arms || {})[arm];
-  return a ? `mean ${fmtSeconds(a.mean_s)} · p99 ${fmtSeconds(a.p99_s)} (n ${a.n})` : "-";
+  const dropped = (m.arms || {}).contended_windows || 0;
+  return a ? `mean ${fmtSeconds(a.mean_s)} · p99 ${fmtSeconds(a.p99_s)} (n ${a.n}` +
+    `${dropped ? `; ${dropped} contended window${dropped === 1 ? "" : "s"} dropped` : ""})` : "-";
 }
 
 /** The bound that decides against the margin (latency), or what a resource metric compares against. */
