@@ -31,6 +31,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from agents.trial_latency import token_dim
 from agents.trial_protocol import WorkerResult, WorkerSpec, write_json_atomic
 
 MAX_ERR = 1e30  # the wire's ceiling for an error value; inf/NaN errors are reported as this
@@ -392,7 +393,6 @@ class Worker:
         from kernelpack.harness.bench import launches_per_call as measure_launches
         from kernelpack.harness.numerics import make_generator, resolve_dtype
 
-        cuda = self.device.type == "cuda"
         plan = []
         for name in sorted(self.cand):
             op, _cfg = self.cand[name]
@@ -426,71 +426,11 @@ class Worker:
                                                               row["candidate_launches"])
             self.result.peak_memory_bytes = peak
         with self.phase("latency"):
-            self._time_cells(plan, cuda)
+            from agents.trial_latency import time_cells
 
-    # trial timing (issue 25): individual calls in ABBA quads, fixed windows of 8 quads (16 calls per arm). GPU:
-    # one shared warm-up of GPU_WARMUP_S at the start of the phase (clocks settle under the load), 10 untimed
-    # calls per cell (caches), then up to 32 windows (512 calls per arm), fewer for a slow cell once it has used
-    # GPU_CELL_BUDGET_S (never under 4 windows, 64 calls per arm). The interpreter: one warm-up call, 6 windows
-    # of 1 quad (12 calls per arm), the trial thread's CPU time.
-    GPU_WINDOWS, GPU_QUADS, GPU_WARMUP_S, GPU_CELL_BUDGET_S = 32, 8, 1.0, 0.25
-    CPU_WINDOWS, CPU_QUADS = 6, 1
-
-    def _time_cells(self, plan: list[tuple[str, str, list[dict[str, int]], Any]], cuda: bool) -> None:
-        """Every cell of the profile (every op at every size), both arms, in every report."""
-        from kernelpack.harness.bench import arm_summary, drop_contended, paired_calls
-        from kernelpack.kernels.spec import DomainError
-
-        spec = self.spec
-        timing: dict[str, Any] = ({"windows": self.GPU_WINDOWS, "quads": self.GPU_QUADS, "warmup_calls": 10,
-                                   "timer": time.perf_counter, "budget_s": self.GPU_CELL_BUDGET_S} if cuda else
-                                  {"windows": self.CPU_WINDOWS, "quads": self.CPU_QUADS, "warmup_calls": 1,
-                                   "timer": time.thread_time})
-        if cuda:
-            self._warm_up(plan)
-        for k, (name, dtype, shapes, _cap) in enumerate(plan):
-            if not shapes:
-                self.notes.append(f"{name}: no profile shape inside the op's domain; latency skipped")
-                continue
-            if name not in self.stable:
-                continue
-            for j, shape in enumerate(shapes):
-                try:
-                    st, ca = paired_calls(self.stable[name], self.cand[name], dtype, shape, device=self.device,
-                                          seed=spec.seed + 7 * k + j, **timing)
-                except DomainError as exc:
-                    self.notes.append(f"{name}: latency shape {shape} skipped: {exc}")
-                    continue
-                st, ca, dropped = drop_contended(st, ca)
-                self.result.cells.append({"op": name, "tokens": int(shape[token_dim(shape)]),
-                                          "stable": arm_summary(st), "candidate": arm_summary(ca),
-                                          "contended_windows": dropped})
-
-    def _warm_up(self, plan: list[tuple[str, str, list[dict[str, int]], Any]]) -> None:
-        """GPU_WARMUP_S of calls of the largest cell, both arms alternately: the GPU's clocks settle once per trial."""
-        from kernelpack.harness.bench import call_runner
-        from kernelpack.harness.numerics import make_generator, resolve_dtype
-        from kernelpack.kernels.spec import DomainError
-
-        cells = [(math.prod(s.values()), name, dtype, s) for name, dtype, shapes, _ in plan if name in self.stable
-                 for s in shapes]
-        if not cells:
-            return
-        _, name, dtype, shape = max(cells, key=lambda c: c[0])
-        try:
-            inputs = self.cand[name][0].make_inputs(dict(shape), resolve_dtype(dtype), self.device,
-                                                    make_generator(self.device, self.spec.seed))
-        except DomainError:
-            return
-        runs = [call_runner(*self.stable[name], inputs), call_runner(*self.cand[name], inputs)]
-        end = time.perf_counter() + self.GPU_WARMUP_S
-        calls = 0
-        while time.perf_counter() < end:
-            runs[calls % 2]()
-            calls += 1
-            if calls % 16 == 0:
-                sys.modules["torch"].cuda.synchronize(self.device)
-        self.notes.append(f"latency warm-up: {calls} calls of {name} {shape} in {self.GPU_WARMUP_S:g} s")
+            cells, notes = time_cells(plan, self.stable, self.cand, device=self.device, seed=self.spec.seed)
+            self.result.cells.extend(cells)
+            self.notes.extend(notes)
 
     def _capacity(self, version: Any, dtype: str, shape: dict[str, int], measure_launches: Any, peak_fn: Any,
                   count_launches: Any, make_generator: Any, resolve_dtype: Any) -> tuple[int, int]:
@@ -613,13 +553,6 @@ class Worker:
                 self.notes.append(f"model end to end: candidate log-probs differ from stable's by up to "
                                   f"{res.logprob_max_abs_diff:.3g} nats (bound {LOGPROB_BOUND[res.dtype]})")
 
-
-TOKEN_DIMS = ("tokens", "q", "seq")
-
-
-def token_dim(shape: dict[str, int]) -> str:
-    """The dimension that scales with traffic (tokens per call); the first dim when none is named so."""
-    return next((d for d in TOKEN_DIMS if d in shape), next(iter(shape)))
 
 
 def _clamp(v: float) -> float:

@@ -207,6 +207,8 @@ def _holding_reason(holding: MetricView | None, step: StepSpec, elapsed: float) 
         return f"all metrics pass; baking {elapsed:.0f}/{step.bake_seconds:g}s"
     if holding.kind is MetricKind.NUMERIC:
         return "no report with numeric checks yet"
+    if holding.n == 0:
+        return f"no samples yet for {holding.metric} (need {step.min_samples})"
     if holding.n < step.min_samples:
         return f"too few samples for {holding.metric}: {holding.n}/{step.min_samples}"
     return f"{holding.metric} not yet within margin ({describe(holding)})"
