@@ -58,7 +58,7 @@ def test_older_reports_rounds_become_windows() -> None:
 def test_arm_figures_are_validated_at_the_wire() -> None:
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="p50_s 2.0 is above p99_s 1.0"):
+    with pytest.raises(ValidationError, match=r"p50_s 2\.0 is above p99_s 1\.0"):
         wire.ArmLatency(n=4, mean_s=1.0, p50_s=2.0, p99_s=1.0)
     for bad in ({"n": 0}, {"mean_s": float("nan")}, {"p99_s": -1.0}, {"windows_s": [0.0]}):
         with pytest.raises(ValidationError):
