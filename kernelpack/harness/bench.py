@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -164,6 +165,22 @@ def interleaved_calls(
     cell gets fewer calls, never fewer than ``min_windows * 2 * quads`` per arm)."""
     if windows < 1 or quads < 1:
         raise HarnessError(f"windows and quads must be >= 1, got {windows} and {quads}")
+    # no garbage collection inside the timed calls (as timeit): a collection is triggered by the allocation
+    # count, so it falls on the same call of the same ABBA position trial after trial, always one arm's
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _interleaved(run_a, run_b, device=device, windows=windows, quads=quads, warmup_calls=warmup_calls,
+                            timer=timer, budget_s=budget_s, min_windows=min_windows)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, device: str | torch.device,
+                 windows: int, quads: int, warmup_calls: int, timer: Callable[[], float], budget_s: float | None,
+                 min_windows: int) -> tuple[ArmTimes, ArmTimes]:
     start = time.perf_counter()
     dev = resolve_device(device)
     for _ in range(max(0, warmup_calls)):
