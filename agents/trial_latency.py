@@ -5,8 +5,9 @@ per arm) on a GPU: one shared warm-up of ``GPU_WARMUP_S`` at the start of the ph
 under the load once per trial), 10 untimed calls per cell (caches), then up to 32 windows (512 calls per arm),
 fewer for a slow cell once it has used ``GPU_CELL_BUDGET_S`` (never under 4 windows, 64 calls per arm). Under
 the interpreter: one warm-up call, 6 windows of 1 quad (12 calls per arm), timed by the trial thread's CPU time
-(its Python work, which busy neighbours do not inflate as they do wall time). Windows in which stable ran slow
-(a busy device) are dropped from both arms (:func:`kernelpack.harness.bench.drop_contended`). Each cell is
+(its Python work, which busy neighbours do not inflate as they do wall time). Each quad is ABBA or BAAB at
+random; windows in which both arms ran slow (a busy device) are dropped from both
+(:func:`kernelpack.harness.bench.drop_contended`). Each cell is
 reported as a :class:`kernelctl.wire.CellLatency` document: per arm n, mean, p50, p99 and the window means.
 """
 

@@ -61,7 +61,7 @@ class LatencySignal(_Model):
     p99: float  # ln(p99_candidate / p99_stable)
     stable: ArmSignal
     candidate: ArmSignal
-    contended_windows: int = 0  # windows the trial dropped from both arms (stable slow in them: a busy device)
+    contended_windows: int = 0  # windows the trial dropped from both arms (both slow in them: a busy device)
 
     def value(self, stat: Statistic) -> float:
         return self.mean if stat is Statistic.MEAN else self.p99

@@ -251,7 +251,7 @@ class ArmLatency(Strict):
 
 class ArmsLatency(Strict):
     """Both versions' :class:`ArmLatency`, measured interleaved on the same node and inputs;
-    ``contended_windows``: windows dropped from both arms because stable ran slow in them (a busy device)."""
+    ``contended_windows``: windows dropped from both arms because both ran slow in them (a busy device)."""
 
     stable: ArmLatency
     candidate: ArmLatency

@@ -8,9 +8,11 @@
   p50, p99, window means) for the judge. CUDA: the stream is held by a ``torch.cuda._sleep`` while a window
   is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap; CPU: the
   ``timer`` around each call (the trial passes ``time.thread_time``: the interpreter's Python work).
-  :func:`drop_contended` removes, from both arms, the windows in which *stable* ran slower than
-  ``CONTENDED`` x its median window (a neighbour on the device: the stable arm alone decides, so a candidate's
-  own slowness can never get its windows dropped); the count travels with the report.
+  Each quad is ABBA or BAAB at random (and a GPU window's hold jittered), so nothing periodic on the device
+  falls on one arm window after window. :func:`drop_contended` removes, from both arms, the windows in which
+  *both* arms ran slower than ``CONTENDED`` x their median window (a busy device hits both; a candidate's own
+  slowness never gets its windows dropped, and contention that hit one arm only stays, as noise of either
+  sign); the count travels with the report.
 * ``launches_per_call``: on CUDA, Triton's ``knobs.runtime.launch_enter_hook`` (fires once per real kernel
   launch from the compiled launcher). The interpreter never calls that hook, so under ``TRITON_INTERPRET=1``
   the fallback counts calls of ``triton.runtime.interpreter.GridExecutor.__call__`` (one per grid launch)
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -112,16 +115,17 @@ class ArmTimes:
 
 
 CONTENDED = 1.5
-"""A window whose stable mean is over this multiple of stable's median window mean is contended."""
+"""A window in which *both* arms' means are over this multiple of their median window means is contended."""
 
 
 def drop_contended(stable: ArmTimes, candidate: ArmTimes, factor: float = CONTENDED
                    ) -> tuple[ArmTimes, ArmTimes, int]:
-    """Both arms without the windows in which stable was contended (see the module docstring); the count."""
+    """Both arms without the contended windows (see the module docstring); the count."""
     if len(stable.windows) < 3:
         return stable, candidate, 0
-    limit = factor * statistics.median(stable.windows)
-    keep = [w for w, t in enumerate(stable.windows) if t <= limit]
+    ls, lc = factor * statistics.median(stable.windows), factor * statistics.median(candidate.windows)
+    keep = [w for w, (ts, tc) in enumerate(zip(stable.windows, candidate.windows, strict=True))
+            if ts <= ls or tc <= lc]
     if len(keep) == len(stable.windows):
         return stable, candidate, 0
 
@@ -158,6 +162,7 @@ def interleaved_calls(
     timer: Callable[[], float] = time.perf_counter,
     budget_s: float | None = None,
     min_windows: int = 4,
+    seed: int = 0,
 ) -> tuple[ArmTimes, ArmTimes]:
     """Individual calls of A and B, timed in ``windows`` windows of ``quads`` ABBA quads (2 * quads calls per
     arm and window), after ``warmup_calls`` untimed calls of each. See the module docstring for the clocks.
@@ -172,7 +177,7 @@ def interleaved_calls(
     gc.disable()
     try:
         return _interleaved(run_a, run_b, device=device, windows=windows, quads=quads, warmup_calls=warmup_calls,
-                            timer=timer, budget_s=budget_s, min_windows=min_windows)
+                            timer=timer, budget_s=budget_s, min_windows=min_windows, seed=seed)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -180,17 +185,20 @@ def interleaved_calls(
 
 def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, device: str | torch.device,
                  windows: int, quads: int, warmup_calls: int, timer: Callable[[], float], budget_s: float | None,
-                 min_windows: int) -> tuple[ArmTimes, ArmTimes]:
+                 min_windows: int, seed: int) -> tuple[ArmTimes, ArmTimes]:
     start = time.perf_counter()
     dev = resolve_device(device)
     for _ in range(max(0, warmup_calls)):
         run_a()
         run_b()
     a, b = ArmTimes([], []), ArmTimes([], [])
-    order = (0, 1, 1, 0) * quads
+    rng = random.Random(seed)
     for _ in range(windows):
+        # each quad ABBA or BAAB at random: nothing periodic on the device (a time slice of another process,
+        # a clock step) can fall on the same arm window after window
+        order = [arm for _q in range(quads) for arm in ((0, 1, 1, 0) if rng.random() < 0.5 else (1, 0, 0, 1))]
         if _is_cuda(dev):
-            times = _cuda_window((run_a, run_b), order, dev)
+            times = _cuda_window((run_a, run_b), order, dev, rng)
         else:
             times = []
             for arm in order:
@@ -208,11 +216,12 @@ def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, de
 
 
 def _cuda_window(fns: tuple[Callable[[], object], Callable[[], object]], order: Sequence[int],
-                 dev: torch.device) -> list[float]:
-    """One window on the GPU: the stream held by a sleep kernel while every call is enqueued between events."""
+                 dev: torch.device, rng: random.Random) -> list[float]:
+    """One window on the GPU: the stream held by a sleep kernel while every call is enqueued between events
+    (~25 us per call, jittered so that windows do not lock onto another process's time slices)."""
     with torch.cuda.device(dev):
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
-        torch.cuda._sleep(50_000 * len(order))  # ~25 us per call: the host enqueues the window before the GPU runs it
+        torch.cuda._sleep(int(50_000 * len(order) * rng.uniform(0.5, 1.5)))
         for arm, (start, end) in zip(order, ev, strict=True):
             start.record()
             fns[arm]()
@@ -246,7 +255,7 @@ def paired_calls(
     inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
     return interleaved_calls(call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs), device=dev,
                              windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer,
-                             budget_s=budget_s)
+                             budget_s=budget_s, seed=seed)
 
 
 def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
