@@ -32,6 +32,8 @@ from pydantic import ValidationError
 from agents.inventory import NodeInventory, child_env
 from agents.trial_protocol import TrafficProfile, WorkerResult, WorkerSpec
 from kernelctl.wire import (
+    ArmsLatency,
+    CellLatency,
     CellResources,
     CellWeight,
     E2EPair,
@@ -122,7 +124,7 @@ def cell_weights(result: WorkerResult, profile: TrafficProfile | None) -> list[C
     ``op_calls_per_step[op]`` (default 1) times ``batch_share[tokens]`` (default 1: sizes equally often)."""
     p = profile or TrafficProfile()
     calls, share = p.op_calls_per_step or {}, p.batch_share or {}
-    cells = sorted({(pair["op"], int(pair["tokens"])) for pair in result.latency})
+    cells = sorted({(c["op"], int(c["tokens"])) for c in [*result.latency, *result.cells]})
     return [CellWeight(op=op, tokens=t, weight=float(calls.get(op, 1.0)) * float(share.get(str(t), 1.0)))
             for op, t in cells]
 
@@ -246,6 +248,8 @@ class TrialRunner:
                 resources=[CellResources(**r) for r in result.resources],
                 weights=cell_weights(result, self.cfg.profile),
                 e2e_pairs=[E2EPair(**p) for p in result.e2e_pairs],
+                cells=[CellLatency.model_validate(c) for c in result.cells],
+                e2e=None if result.e2e is None else ArmsLatency.model_validate(result.e2e),
                 free_memory_bytes=result.free_memory_bytes,
                 detail=result.detail[:8192],
             )

@@ -136,6 +136,8 @@ class WorkerResult(_Model):
     peak_memory_bytes: int | None = None
     resources: list[dict[str, Any]] = Field(default_factory=list)  # per (op, tokens): both versions
     e2e_pairs: list[dict[str, float]] = Field(default_factory=list)
+    cells: list[dict[str, Any]] = Field(default_factory=list)  # kernelctl.wire.CellLatency documents
+    e2e: dict[str, Any] | None = None  # a kernelctl.wire.ArmsLatency document
     free_memory_bytes: int | None = None
     seconds: dict[str, float] = Field(default_factory=dict)  # time spent per phase
 

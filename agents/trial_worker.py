@@ -31,6 +31,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from agents.trial_latency import token_dim
 from agents.trial_protocol import WorkerResult, WorkerSpec, write_json_atomic
 
 MAX_ERR = 1e30  # the wire's ceiling for an error value; inf/NaN errors are reported as this
@@ -388,13 +389,10 @@ class Worker:
         return shape
 
     def _latency(self) -> None:
-        from kernelpack.harness.bench import count_launches, paired_latency, peak_memory_bytes
+        from kernelpack.harness.bench import count_launches, peak_memory_bytes
         from kernelpack.harness.bench import launches_per_call as measure_launches
         from kernelpack.harness.numerics import make_generator, resolve_dtype
 
-        spec = self.spec
-        cuda = self.device.type == "cuda"
-        rounds = spec.rounds if cuda else min(spec.rounds, 3)
         plan = []
         for name in sorted(self.cand):
             op, _cfg = self.cand[name]
@@ -428,27 +426,11 @@ class Worker:
                                                               row["candidate_launches"])
             self.result.peak_memory_bytes = peak
         with self.phase("latency"):
-            for k, (name, dtype, shapes, _cap) in enumerate(plan):
-                if not shapes:
-                    self.notes.append(f"{name}: no profile shape inside the op's domain; latency skipped")
-                    continue
-                if name not in self.stable:
-                    continue
-                for j, shape in enumerate(shapes):
-                    try:
-                        # short interleaved measurements (the judge works on medians); under the interpreter the
-                        # thread's CPU time: its Python work, which busy neighbours do not inflate as they do wall time
-                        pairs = paired_latency(self.stable[name], self.cand[name], dtype, [shape], device=self.device,
-                                               rounds=rounds, seed=spec.seed + 7 * k + j, rep_ms=5.0 if cuda else None,
-                                               timer=time.perf_counter if cuda else time.thread_time)
-                    except DomainError as exc:
-                        self.notes.append(f"{name}: latency shape {shape} skipped: {exc}")
-                        continue
-                    for p in pairs:
-                        self.result.latency.append({
-                            "op": name, "tokens": int(p.shape[token_dim(p.shape)]),
-                            "stable_s": max(p.stable_s, 1e-9), "candidate_s": max(p.candidate_s, 1e-9),
-                        })
+            from agents.trial_latency import time_cells
+
+            cells, notes = time_cells(plan, self.stable, self.cand, device=self.device, seed=self.spec.seed)
+            self.result.cells.extend(cells)
+            self.notes.extend(notes)
 
     def _capacity(self, version: Any, dtype: str, shape: dict[str, int], measure_launches: Any, peak_fn: Any,
                   count_launches: Any, make_generator: Any, resolve_dtype: Any) -> tuple[int, int]:
@@ -498,10 +480,12 @@ class Worker:
         with self.phase("e2e"):
             if self.device.type == "cuda":
                 tokens = min(spec.prefill_tokens) if spec.prefill_tokens else 512
-                # interleaved ABBA rounds of CUDA-graph replays: the per-report sample is the median round
+                # CUDA-graph replays timed one by one in ABBA quads (windows of 8 calls per arm) after 0.5 s
+                # of warm-up
                 kw: dict[str, Any] = {"tokens": tokens, "hidden": 4096, "heads": 32, "head_dim": 128,
                                       "intermediate": 14336, "dtype": "bf16", "graphs": True,
-                                      "rounds": spec.e2e_rounds or max(spec.rounds, 9)}
+                                      "rounds": spec.e2e_rounds or max(spec.rounds, 9), "min_reps": 8,
+                                      "rep_ms": 500.0}
             else:
                 kw = {"tokens": 2, "hidden": 32, "heads": 2, "head_dim": 16, "intermediate": 64,
                       "dtype": "fp32", "rounds": spec.e2e_rounds or 3}
@@ -525,6 +509,10 @@ class Worker:
                     cand.pop(bad, None)
             self.result.e2e_pairs = [{"stable_s": max(a, 1e-9), "candidate_s": max(b, 1e-9)}
                                      for a, b in zip(res.a_s, res.b_s, strict=True)]
+            from kernelpack.harness.bench import ArmTimes, arm_summary, drop_contended
+
+            st, ca, dropped = drop_contended(ArmTimes(res.a_calls, res.a_s), ArmTimes(res.b_calls, res.b_s))
+            self.result.e2e = {"stable": arm_summary(st), "candidate": arm_summary(ca), "contended_windows": dropped}
             if self.device.type == "cuda" and not res.graphed:
                 self.notes.append("decoder block timed eagerly (CUDA graph capture failed)")
             self.result.e2e_stable_s = max(sorted(res.a_s)[len(res.a_s) // 2], 1e-9)
@@ -565,13 +553,6 @@ class Worker:
                 self.notes.append(f"model end to end: candidate log-probs differ from stable's by up to "
                                   f"{res.logprob_max_abs_diff:.3g} nats (bound {LOGPROB_BOUND[res.dtype]})")
 
-
-TOKEN_DIMS = ("tokens", "q", "seq")
-
-
-def token_dim(shape: dict[str, int]) -> str:
-    """The dimension that scales with traffic (tokens per call); the first dim when none is named so."""
-    return next((d for d in TOKEN_DIMS if d in shape), next(iter(shape)))
 
 
 def _clamp(v: float) -> float:

@@ -1,8 +1,10 @@
 """``kernelctl demo``: the whole system on one machine, no GPU needed.
 
 A real controller and N real agents (posing as sm_80 and sm_90 nodes on two driver versions; kernels run
-through Triton's interpreter) on the embedded SQLite default. It makes llm-fused 1.0.0 stable, rolls out
-1.1.0 to promotion, then rolls out the numeric-drift fault fixture and expects the judge to roll it back.
+through Triton's interpreter) on the embedded SQLite default. It makes llm-fused 1.1.0 stable, rolls
+out the identical 1.1.1 to promotion (issue 25: the judge holds every cell's mean and p99 to its margin, and
+1.1.0's GPU-tuned configs are really slower than 1.0.0's under the interpreter), then rolls out the
+numeric-drift fault fixture and expects the judge to roll it back.
 Trial before serve: the live view shows the canaries per phase (staged, verified, serving), and the summary
 how many nodes served each version (the audit's activations): the fault must have served on none. Exit 0
 only when both outcomes happened and the fault never served.
@@ -38,7 +40,7 @@ from cli.demo_view import LiveView, PlainView, Planned, RolloutProgress, Stratum
 from kernelctl.console import EXIT_ERROR, EXIT_USAGE, console, err_console, esc, print_json
 from kernelctl.vocab import PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, TERMINAL_STATES
 
-STABLE, CANDIDATE, FAULT = "1.0.0", "1.1.0", "1.2.0-fault.drift"
+STABLE, CANDIDATE, FAULT = "1.1.0", "1.1.1", "1.2.0-fault.drift"
 
 # Two GPU generations on two driver versions: strata sm_80/drv535 and sm_90/drv550.
 POSES = [
@@ -48,7 +50,7 @@ POSES = [
      "driver_version": "550.90.07", "cuda_version": "12.4", "memory_total_mb": 81559},
 ]
 
-# Clean trial reports per stratum the judge needed to pass 1.1.0 in every measured run of the demo (9 or 10,
+# Clean trial reports per stratum the judge needed to pass the candidate in every measured run of the demo (9 or 10,
 # docs/benchmarks.md): the "needed" of the progress shown. A stratum still undecided after SAMPLE_BUDGET of them
 # is inconclusive and the demo fails, saying so: the demo's limit is a count of evidence, not a wall-clock time.
 EXPECTED_SAMPLES = 10
@@ -78,6 +80,8 @@ def demo_plan(trial_timeout_s: float) -> dict[str, Any]:
         # Under the interpreter a kernel's time is Python overhead, noisy on a shared 2-core machine (a few
         # percent per trial); GPU plans keep the 2% default.
         "latency_margin": 0.25,
+        # the p99 of an interpreter trial is the slowest of 12 timed calls of Python work: wider still (issue 25)
+        "p99_margin": 1.0,
         "max_fleet_share": 1.0,
         "max_label_share": 1.0,
         "trial_rounds": 1,
@@ -143,8 +147,8 @@ class Watch:
                 continue
             e = evidence.get(s["stratum"], StratumEvidence())
             if e.ok >= SAMPLE_BUDGET:
-                return (f"{where}: inconclusive after {e.ok} clean trial reports (the judge passed 1.1.0 after "
-                        f"~{EXPECTED_SAMPLES} in every measured run); the judge: {_verdict_text(s)}")
+                return (f"{where}: inconclusive after {e.ok} clean trial reports (the judge passed the demo's "
+                        f"candidate after ~{EXPECTED_SAMPLES} in every measured run); the judge: {_verdict_text(s)}")
             quiet = (now - (e.last_received or since)).total_seconds()
             if quiet > self.quiet_limit():
                 measured = (f"{STALL_FACTOR:g}x the slowest trial so far, {self.slowest_trial_s:.0f}s"
@@ -314,7 +318,7 @@ def demo(
         "--notify-url", help="Webhook for the demo controller's notifications (repeatable; default: "
         "KERNELCTL_NOTIFY_URLS).", show_default=False)] = None,
 ) -> None:
-    """Run a real controller and agents locally: promote llm-fused 1.1.0, roll back a numeric-drift fault."""
+    """Run a real controller and agents locally: promote llm-fused 1.1.1, roll back a numeric-drift fault."""
     from controller.notify import NotifyConfigError, parse_targets
     from kernelctl.settings import get_settings
 

@@ -182,14 +182,48 @@ def _fmt_metric(unit: str, x: float | None) -> str:
     return f"{x:.3g}"
 
 
+def _fmt_seconds(x: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x * 1e9:.3g} ns"
+
+
+def _fmt_arm(m: dict[str, Any], arm: str) -> str:
+    """One arm of a latency metric: its mean and p99 (and n) in the latest report."""
+    arms = m.get("arms") or {}
+    a = arms.get(arm) or {}
+    if not a:
+        return "-"
+    dropped = arms.get("contended_windows") or 0
+    return (f"mean {_fmt_seconds(a['mean_s'])}, p99 {_fmt_seconds(a['p99_s'])} (n {a['n']}"
+            + (f"; {dropped} contended window(s) dropped" if dropped else "") + ")")
+
+
+def _fmt_bound(m: dict[str, Any]) -> str:
+    """The bound that decides against the margin: "upper +1.2% (pass needs < margin)" / "lower +6.0%"; for the
+    resource metrics what they compare (launches: stable's count; memory: the largest ratio)."""
+    if m["kind"] == "launches":
+        return "-" if m["upper"] is None else f"{m['upper']:g} (stable)"
+    if m["kind"] == "memory":
+        return "-" if m["upper"] is None else f"max {_fmt_metric('ratio', m['upper'])}"
+    side = m.get("bound_side")
+    if side is None:
+        return "-"
+    if m.get("bound") is None:
+        return f"{side}: none yet"
+    return f"{side} {_fmt_metric(m['unit'], m['bound'])}"
+
+
 def explain_renderable(doc: dict[str, Any]) -> Group:
-    """metric x stratum: value, bounds, margin, n, decision, and which metric decided."""
+    """metric x stratum: estimate, the deciding bound, margin, n, both arms' mean and p99, decision."""
     parts: list[Any] = [Panel(f"rollout [bold]{doc['rollout_id']}[/] {doc['bundle']}  state [bold]{doc['state']}[/]")]
     for s in doc["strata"]:
         title = (f"{s['stratum']}  {s['state']} step {step_number(s['step_index'])}  verdict "
                  f"{s['decision']}/{s['gate']}  deciding: {s.get('deciding_metric') or '-'}")
-        t = Table("metric", "kind", "value", "lower", "upper", "margin", "n", "decision", "decided", title=title,
-                  caption=s.get("reason") or None)
+        t = Table("metric", "kind", "value", "bound", "margin", "n", "stable", "candidate", "decision", "decided",
+                  title=title, caption=(s.get("reason") or "") + "\nbound: the one-sided confidence bound that decides "
+                  "(upper: below the margin to pass; lower: above it to roll back)")
         for col in t.columns:
             col.overflow = "fold"  # folded, never cut
         for m in s["metrics"]:
@@ -200,11 +234,9 @@ def explain_renderable(doc: dict[str, Any]) -> Group:
                 margin_s = _fmt_metric("log_ratio", margin)
             else:
                 margin_s = "-" if margin is None else f"{margin:g}"
-            upper = m["upper"]
-            upper_s = (f"{upper:g} (stable)" if m["kind"] == "launches" and upper is not None
-                       else _fmt_metric(m["unit"], upper))
-            t.add_row(m["metric"], m["kind"], _fmt_metric(m["unit"], m["value"]), _fmt_metric(m["unit"], m["lower"]),
-                      upper_s, margin_s, str(m["n"]), m["decision"], "[bold]yes[/]" if m["deciding"] else "")
+            t.add_row(m["metric"], m["kind"], _fmt_metric(m["unit"], m["value"]), _fmt_bound(m), margin_s, str(m["n"]),
+                      _fmt_arm(m, "stable"), _fmt_arm(m, "candidate"), m["decision"],
+                      "[bold]yes[/]" if m["deciding"] else "")
         parts.append(t)
     return Group(*parts)
 

@@ -21,7 +21,7 @@ from controller.db.models import Rollout, Verdict
 from controller.errors import NotFound
 
 HISTORY_LIMIT = 2000  # verdict rows per stratum in the history (the newest)
-HISTORY_KEYS = ("value", "lower", "upper", "margin", "n")
+HISTORY_KEYS = ("value", "lower", "upper", "margin", "n", "bound", "bound_side")
 
 
 class MetricOut(BaseModel):
@@ -35,6 +35,12 @@ class MetricOut(BaseModel):
     n: int
     decision: str
     deciding: bool
+    # latency metrics (issue 25): the statistic, the bound that decides against the margin and its side
+    # ("upper" must fall below the margin to pass, "lower" above it to regress), and both arms' figures
+    statistic: str | None = None
+    bound: float | None = None
+    bound_side: str | None = None
+    arms: dict[str, Any] | None = None
 
 
 class HistoryOut(BaseModel):

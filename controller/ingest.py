@@ -216,21 +216,23 @@ def _store(session: Session, node: Node, reports: Sequence[wire.TrialReport], fa
             failing = True
         sig = next(signals) if outcome == "ok" else None
         e2e = None
-        if r.e2e_stable_s is not None and r.e2e_candidate_s is not None:
+        if r.e2e is not None:
+            e2e = {"stable_s": r.e2e.stable.mean_s, "candidate_s": r.e2e.candidate.mean_s}
+        elif r.e2e_stable_s is not None and r.e2e_candidate_s is not None:
             e2e = {"stable_s": r.e2e_stable_s, "candidate_s": r.e2e_candidate_s}
         rows.append({
             "idempotency_key": r.idempotency_key, "node_id": node.id, "rollout_id": r.rollout_id,
             "stratum": stratum, "bundle_id": f.bundle_id,
             "stable_bundle_id": stable_ids.get((r.stable.name, r.stable.version, r.stable.digest)) if r.stable else None,
-            "outcome": outcome, "latency_log_ratio": sig.get("aggregate") if sig else None,
-            "n_pairs": len(r.latency), "peak_memory_bytes": r.peak_memory_bytes,
+            "outcome": outcome, "latency_log_ratio": sig.aggregate.mean if sig and sig.aggregate else None,
+            "n_pairs": len(r.latency) + sum(c.stable.n for c in r.cells), "peak_memory_bytes": r.peak_memory_bytes,
             "measured_at": as_utc(r.measured_at), "received_at": now,
             "detail": {
                 "reported_outcome": r.outcome, "numerics": numerics_summary(r), "e2e": e2e,
                 **({"failed_checks": failed} if (failed := failed_checks(r)) else {}),
                 "launches_per_call": r.launches_per_call, "duration_s": r.duration_s, "text": r.detail,
             },
-            "signals": sig,
+            "signals": sig.stored() if sig else None,
         })
     inserted = _insert_new(session, rows)
     accepted = len(inserted)

@@ -74,7 +74,10 @@ class PlanSpec(BaseModel):
         description="Allowed peak-memory growth over stable per (op, size), 0.10 = 10%.")
     launch_gate: LaunchGate = Field(
         "rollback", description="More Triton launches per call than stable at any size: roll back, or warn.")
-    e2e_margin: float = Field(0.03, gt=0, lt=1, description="Allowed end-to-end decoder-block slowdown.")
+    e2e_margin: float = Field(0.03, gt=0, lt=1, description="Allowed end-to-end decoder-block slowdown (mean).")
+    p99_margin: float = Field(
+        0.10, gt=0, le=10, description="Allowed p99 latency growth per cell, aggregate and end to end (the mean's "
+                                      "margin when that is wider); 0.10 = 10%.")
     e2e_required: bool = Field(
         False, description="Hold until end-to-end samples arrive even when no report carried one yet.")
     trial_rounds: int = Field(5, ge=1, le=1000)

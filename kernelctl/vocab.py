@@ -8,6 +8,7 @@ migration and a wire-contract change.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 # ------------------------------------------------------------------------------------------ rollouts
@@ -63,6 +64,64 @@ LaunchGate = Literal["rollback", "warn"]
 # Allowed peak-memory growth over stable per (op, size) when a plan does not say (0.10 = 10%): the plan's
 # default, and the node-local gate's when a controller sends no margin with the trial.
 DEFAULT_MEMORY_MARGIN = 0.10
+
+
+# ------------------------------------------------------------------------------------------ the judge
+class MetricDecision(StrEnum):
+    """One judged metric's state at a tick (``warn``: recorded, not a rollback; ``fail``: a hard gate)."""
+
+    REGRESS = "regress"
+    PASS = "pass"
+    HOLD = "hold"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+class StepDecision(StrEnum):
+    """What the engine does with a stratum at a tick (stored in ``verdicts.decision``)."""
+
+    HOLD = "hold"
+    ADVANCE = "advance"
+    ROLLBACK = "rollback"
+    PAUSE = "pause"
+
+
+class GateName(StrEnum):
+    """The gate that decided (stored in ``verdicts.gate``): hard outcomes first, then the judged gates."""
+
+    NONE = "none"
+    NUMERIC = "numeric"
+    MISMATCH = "mismatch"
+    CRASH = "crash"
+    OOM = "oom"
+    HANG = "hang"
+    COMPILE = "compile"
+    LOAD = "load"
+    MEMORY = "memory"
+    LAUNCHES = "launches"
+    LATENCY = "latency"
+    E2E = "e2e"
+    SAMPLES = "samples"
+    DEADLINE = "deadline"
+
+
+class MetricKind(StrEnum):
+    """What a judged metric measures (the explain view groups rows by it)."""
+
+    LATENCY_CELL = "latency_cell"
+    LATENCY_AGGREGATE = "latency_aggregate"
+    E2E = "e2e"
+    MEMORY = "memory"
+    LAUNCHES = "launches"
+    NUMERIC = "numeric"
+    HARD = "hard"
+
+
+class Statistic(StrEnum):
+    """The statistic of a latency metric (issue 25): mean latency (cost, throughput) and p99 (SLOs)."""
+
+    MEAN = "mean"
+    P99 = "p99"
 
 
 # ------------------------------------------------------------------------------------------ strata

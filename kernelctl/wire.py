@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from kernelctl.vocab import DEFAULT_MEMORY_MARGIN, DTypeName, LaunchGate, Outcome, Phase, Role
 from kernelctl.wire_limits import (
@@ -237,7 +237,43 @@ class E2EPair(Strict):
     candidate_s: LatencySeconds
 
 
-def _unique_cells(v: list[CellResources] | list[CellWeight]) -> list:
+class ArmLatency(Strict):
+    """One version's timed calls of one cell (or of the end-to-end block) in one trial (issue 25).
+
+    ``n`` individual calls after a warm-up, interleaved with the other version's; ``mean_s``, ``p50_s`` and
+    ``p99_s`` over those calls (quantiles are order statistics); ``windows_s`` the means of fixed consecutive
+    windows of calls, in measurement order (what the judge's within-trial checks use)."""
+
+    n: int = Field(ge=1, le=10_000_000)
+    mean_s: LatencySeconds
+    p50_s: LatencySeconds
+    p99_s: LatencySeconds
+    windows_s: list[LatencySeconds] = Field(default_factory=list, max_length=1000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ArmLatency:
+        if self.p50_s > self.p99_s:
+            raise ValueError(f"p50_s {self.p50_s!r} is above p99_s {self.p99_s!r}")
+        return self
+
+
+class ArmsLatency(Strict):
+    """Both versions' :class:`ArmLatency`, measured interleaved on the same node and inputs;
+    ``contended_windows``: windows dropped from both arms because both ran slow in them (a busy device)."""
+
+    stable: ArmLatency
+    candidate: ArmLatency
+    contended_windows: int = Field(0, ge=0, le=1000)
+
+
+class CellLatency(ArmsLatency):
+    """Both versions' timed calls at one (op, tokens) cell."""
+
+    op: str = Field(max_length=64)
+    tokens: int = Field(ge=1, le=10_000_000)
+
+
+def _unique_cells(v: list[CellResources] | list[CellWeight] | list[CellLatency]) -> list:
     seen: set[tuple[str, int]] = set()
     for i, c in enumerate(v):
         if (c.op, c.tokens) in seen:
@@ -268,6 +304,9 @@ class TrialReport(Strict):
     weights: Annotated[list[CellWeight], AfterValidator(_unique_cells)] = Field(
         default_factory=list, max_length=10_000)
     e2e_pairs: list[E2EPair] = Field(default_factory=list, max_length=1000)
+    # issue 25: per-call distributions (older agents send only ``latency`` pairs and ``e2e_pairs``)
+    cells: Annotated[list[CellLatency], AfterValidator(_unique_cells)] = Field(default_factory=list, max_length=10_000)
+    e2e: ArmsLatency | None = None
     free_memory_bytes: MemoryBytes | None = None  # the node's free device memory when the trial started
     detail: str = Field("", max_length=8192)  # human-readable: error text, signal, exit code
 

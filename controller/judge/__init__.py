@@ -2,7 +2,7 @@
 
 Public entry points: :func:`judge_latency` (one metric), :func:`controller.judge.family.judge_family`
 (every judged metric of a stratum, with the multiplicity correction; what the rollout engine calls every
-tick), :func:`controller.judge.statistic.cell_log_ratio` (one report's sample of one cell),
+tick), :mod:`controller.judge.statistic` (the per-report mean and p99 log-ratios of a cell),
 :func:`controller.judge.mannwhitney.judge_mannwhitney` (the Kayenta-style baseline, for comparison only;
 imported on demand since it needs scipy). The judge simulator (``kernelctl sim judge``) is the
 separate :mod:`sim.judge` package, on top of this one.

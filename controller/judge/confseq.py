@@ -24,12 +24,22 @@ Choices, argued (and measured with ``kernelctl sim judge``, docs/benchmarks.md, 
   gap ``g`` between the (prior-shrunk) running mean and the margin and the running variance ``v``,
   truncated at a share c (default 3/4) of the largest safe stake (the paper's truncation, Sec. 5). No bet
   while the running mean is on the null side. All running quantities use samples before t only.
-* **Within-node dependence.** kappa = (1 + rho) / (1 - rho) (capped at 10), rho the predictable lag-1
-  correlation of consecutive samples *of the same node*: the long-run-variance correction of batch means.
+* **Within-node dependence.** kappa = (1 + rho) / (1 - rho), rho the predictable lag-1 correlation of
+  consecutive samples *of the same node* (up to 0.995, i.e. kappa up to ~400: issue 25 removed the cap of
+  10, which AR(1) noise with phi 0.9, kappa 19, exceeded): the long-run-variance correction of batch means.
   With it a run of autocorrelated samples is staked on as the independent information it contains, so
   the wealth does not compound a persistent excursion as if it were fresh evidence. Ville's bound itself
   needs each sample's conditional mean at or below m; the kappa device makes the bets robust when that
   holds only on average over a node's excursions (see :mod:`controller.judge.latency`).
+* **The regress side reacts to a late regression.** Its bet uses a *recent* mean (an exponentially
+  weighted mean of the samples before t, half-life ``RECENT_HALF_LIFE`` samples, shrunk to the margin):
+  while the candidate sits inside the margin it stakes nothing (the wealth stays at 1), and once recent
+  samples move past the margin it starts betting at once, however long the good history before it. Any
+  predictable bet keeps Ville's guarantee, so this costs no validity.
+* **The pass side is read at the current time.** :func:`margin_test` returns the running maximum of the
+  regress wealth (a regression, once shown, is final) but the *current* pass wealth: a pass holds only while
+  the evidence at that moment is within the margin; samples past the margin after a pass lose the wealth
+  the pass had won (the pass bet is sized from all samples so far, so it keeps staking after a shift).
 * **Monotone in m.** ``l_t`` is chosen once (at the margin) for every m; only the cap depends on m.
   Each factor ``1 + min(l, c/(m - lo)) (y - m)`` is then non-increasing in m, so the rejected set is an
   interval and bisection inverts it exactly.
@@ -52,8 +62,21 @@ DEFAULT_RESOLUTION = 0.03
 DEFAULT_BET_CAP = 0.75
 """Fraction c of the largest safe bet (1 / distance to the near bound) a test may stake on one sample."""
 
-MAX_DEPENDENCE = 10.0
-"""Largest variance inflation (1 + rho) / (1 - rho) the within-node dependence estimate may apply."""
+REGRESS_BET_CAP = 0.9
+"""The regress side's c: it stakes only while the recent mean is past the margin, so it may stake more (a +5%
+candidate on one canary is rolled back in ~8 reports instead of ~11)."""
+
+MAX_RHO = 0.995
+"""Largest lag-1 correlation the within-node dependence estimate may apply (kappa up to ~400, no cap of 10)."""
+
+RESTART_EVERY = 16
+"""Samples between the starts of the regress side's restarted tests (see :func:`margin_test`)."""
+
+RESTART_SHARE = 0.2
+"""Share of the regress side's level spent on the restarted tests (the whole-series test keeps the rest)."""
+
+RECENT_HALF_LIFE = 12.0
+"""Half-life, in samples, of the recent mean that sizes the regress side's bet."""
 
 
 def side_bounds(side: str, margin: float, resolution: float, far: float) -> tuple[float, float]:
@@ -94,31 +117,45 @@ def _prev_moments(y: np.ndarray, prior_mean: float, prior_var: float, prior_n: f
     yc = y * has
     npair = before(np.broadcast_to(has, y.shape))
     cross = before(yc * yp) - mean_d * (before(yc) + before(yp)) + mean_d * mean_d * npair
-    rho = np.clip(cross / (prior_n * prior_var + npair * ss / np.maximum(t, 1.0)), 0.0, 0.999)
-    kappa = np.minimum((1.0 + rho) / (1.0 - rho), MAX_DEPENDENCE)
-    return mu, var, kappa
+    rho = np.clip(cross / (prior_n * prior_var + npair * ss / np.maximum(t, 1.0)), 0.0, MAX_RHO)
+    return mu, var, (1.0 + rho) / (1.0 - rho)
+
+
+def recent_mean(y: np.ndarray, prior_mean: float, prior_n: float, half_life: float = RECENT_HALF_LIFE
+                ) -> np.ndarray:
+    """Predictable exponentially weighted mean of the samples before t (weight 1/2 after ``half_life``
+    samples), shrunk towards ``prior_mean`` with weight ``prior_n`` samples (vectorised, last axis)."""
+    from scipy.signal import lfilter
+
+    beta = 0.5 ** (1.0 / half_life)
+    lead = [(0, 0)] * (y.ndim - 1) + [(1, 0)]
+    num = np.pad(lfilter([1.0], [1.0, -beta], y, axis=-1)[..., :-1], lead)  # sum_{i<t} beta^(t-1-i) y_i
+    t = np.arange(y.shape[-1], dtype=np.float64)
+    den = (1.0 - beta ** t) / (1.0 - beta)  # sum of those weights
+    shrink = prior_n * beta ** t  # the prior fades like one more old sample
+    return (num + shrink * prior_mean) / (den + shrink)
 
 
 def bets(x: np.ndarray, *, side: str, margin: float, resolution: float = DEFAULT_RESOLUTION,
          far: float = DEFAULT_CLIP, prev: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Winsorised samples and the predictable bet ``lambda*_t`` of one one-sided test (last axis = time).
 
-    ``lambda*_t = max(g, 0) / (kappa * v)`` with ``g`` the running mean's distance beyond the margin in the
-    test's direction, ``v`` the running variance and ``kappa`` the within-node dependence factor (estimated
+    ``lambda*_t = max(g, 0) / (kappa * v)`` with ``g`` the distance of the running mean (regress: the
+    recent mean, :func:`recent_mean`) beyond the margin in the test's direction, ``v`` the running variance and ``kappa`` the within-node dependence factor (estimated
     from the lag-1 correlation of consecutive samples of the same node, ``prev[t]`` = index of the previous
     sample of sample t's node or -1). Everything at index t uses samples before t only (predictable).
     """
     lo, hi = side_bounds(side, margin, resolution, far)
     y = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
     mu, var, kappa = _prev_moments(y, margin, (resolution / 2.0) ** 2, 2.0, prev)
-    gap = mu - margin if side == "regress" else margin - mu
+    gap = recent_mean(y, margin, 2.0) - margin if side == "regress" else margin - mu
     lam = np.maximum(gap, 0.0) / (kappa * var)
     return y, lam
 
 
 def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float, hi: float,
                cap: float = DEFAULT_BET_CAP) -> np.ndarray:
-    """Running maximum of the log-wealth of the bet against ``H0: mean <= m`` (regress) / ``>= m`` (pass).
+    """Log-wealth of the bet against ``H0: mean <= m`` (regress: its running maximum) / ``>= m`` (pass: now).
 
     Wealth ``prod (1 + l_i (y_i - m))`` (regress) or ``prod (1 + l_i (m - y_i))`` (pass) with
     ``l_i = min(lambda*_i, cap / (m - lo))`` resp. ``cap / (hi - m)``: never more than ``cap`` of what one
@@ -132,20 +169,50 @@ def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: s
     else:
         limit = cap / np.maximum(hi - m, 1e-12)
         step = m - y
-    bet = np.minimum(lam, limit)
-    return np.maximum.accumulate(np.cumsum(np.log1p(bet * step), axis=-1), axis=-1)
+    bet = np.minimum(lam, limit * (REGRESS_BET_CAP / DEFAULT_BET_CAP if side == "regress" else 1.0))
+    wealth = np.cumsum(np.log1p(bet * step), axis=-1)
+    return np.maximum.accumulate(wealth, axis=-1) if side == "regress" else wealth
+
+
+def restart_penalty(j: int) -> float:
+    """Nats the regress test started at restart ``j`` pays: its level is ``(1 - RESTART_SHARE) alpha`` for the
+    test over the whole series (j = 0) and ``RESTART_SHARE alpha 6 / (pi^2 j^2)`` for the j-th restart; the
+    levels sum to alpha, so the union of all of them is a level-alpha test (the union bound)."""
+    if j == 0:
+        return math.log(1.0 / (1.0 - RESTART_SHARE))
+    return math.log(math.pi ** 2 * j * j / (6.0 * RESTART_SHARE))
 
 
 def margin_test(x: np.ndarray, *, side: str, margin: float, resolution: float = DEFAULT_RESOLUTION,
                 far: float = DEFAULT_CLIP, cap: float = DEFAULT_BET_CAP,
                 prev: np.ndarray | None = None) -> np.ndarray:
-    """Running-max log-wealth of one one-sided test at the margin (vectorised over leading axes).
+    """Log-wealth of one one-sided test at the margin (vectorised over leading axes): pass its current value;
+    regress the running maximum over restarts (see below), already net of each restart's level.
 
-    Rejecting ``H0`` when it reaches ``log(1/alpha)`` is an anytime-valid level-alpha test (Ville).
+    Rejecting ``H0`` when it reaches ``log(1/alpha)`` is an anytime-valid level-alpha test (Ville, and for the
+    regress side the union bound over restarts). **Restarts** (issue 25, a regression after a pass): besides
+    the test over the whole series, a fresh test starts every ``RESTART_EVERY`` samples on the samples from
+    there on (its own moments and dependence estimate). A candidate that slows down after a long good history
+    looks, to a test over the whole series, like a strongly autocorrelated one (the level shift inflates the
+    lag-1 correlation, and the bet shrinks); a test started after the shift sees a steady slower candidate.
     """
     lo, hi = side_bounds(side, margin, resolution, far)
     y, lam = bets(x, side=side, margin=margin, resolution=resolution, far=far, prev=prev)
-    return log_wealth(y, lam, margin, side=side, lo=lo, hi=hi, cap=cap)
+    out = log_wealth(y, lam, margin, side=side, lo=lo, hi=hi, cap=cap)
+    if side != "regress":
+        return out
+    out = out - restart_penalty(0)
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[-1]
+    for j, start in enumerate(range(RESTART_EVERY, n, RESTART_EVERY), start=1):
+        sub_prev = None
+        if prev is not None:
+            sub_prev = np.asarray(prev)[start:] - start
+            sub_prev[sub_prev < 0] = -1
+        ys, ls = bets(x[..., start:], side=side, margin=margin, resolution=resolution, far=far, prev=sub_prev)
+        w = log_wealth(ys, ls, margin, side=side, lo=lo, hi=hi, cap=cap) - restart_penalty(j)
+        out[..., start:] = np.maximum(out[..., start:], w)
+    return out
 
 
 def confidence_bound(x: np.ndarray, *, side: str, alpha: float, margin: float,

@@ -1,37 +1,31 @@
-"""A family of judged metrics for one stratum: latency cells, the traffic-weighted aggregate, end-to-end.
+"""A family of judged metrics for one stratum: per cell and statistic, the traffic-weighted aggregate, e2e.
 
 Interface (stable; the statistics behind it may change): the caller (``controller.gates``) hands in one
-:class:`MetricSeries` per judged metric, each a series of paired log-ratios ``ln(candidate/stable)`` in
-arrival order — every sample of the rollout for the stratum, across steps — with the node of each sample
-and the metric's own margin. ``advance=True`` marks the metrics whose *pass* is needed to advance (the
-traffic-weighted aggregate, end-to-end); the others (per-cell latency) only need to be *not in regression*.
+:class:`MetricSeries` per judged metric, each a series of per-report log-ratios ``ln(candidate/stable)`` in
+arrival order — every sample of the rollout for the stratum, across steps — with the node of each sample and
+the metric's own margin (issue 25: the mean and the p99 of every cell, of the aggregate and end to end, each
+against its own margin). ``must_pass`` marks the metrics whose *pass* is needed to advance (by default all:
+a candidate is promoted only if every cell, the aggregate and e2e are within margin on both statistics);
+``summary`` marks the aggregate and e2e metrics for the multiplicity split.
 
 Decision of the family:
 
 * ``regress``: some metric's regress test rejected (the first such metric, in the caller's order, is
   the deciding one);
-* ``pass``: every ``advance`` metric passed and no metric regressed;
+* ``pass``: every ``must_pass`` metric passes *now* (its current pass wealth, not a past one) and no metric
+  regressed;
 * ``hold``: otherwise.
 
-Multiplicity (issue 12 item 3, issue 13): each metric's judge (:func:`judge_latency`) is an anytime-valid
-level-``alpha_m`` test, so by the union bound the family's false-rollback probability, over *all* ticks
-of the rollout at once, is at most ``sum_m alpha_m``. This version uses a **weighted Bonferroni** split
-with ``sum_m alpha_m = alpha``: half of alpha is shared equally by the advance metrics, half by the
-others (all of alpha to one group when the other is empty). Why better than an even split: the cost of a
-smaller alpha_m is ``log(1/alpha_m)`` nats of wealth, paid at the metric's wealth growth per sample. The
-cells only have to catch gross regressions (a cell 2x slower wins up to ~1.8 nats per sample against a
-2% margin with D = 10%), so shrinking their share 45-fold (3.8 nats) costs them about 2 samples; the
-aggregate has to resolve small gaps (+5% against a 2% margin wins at most ~0.5 nats per sample with
-D = 3%) and would pay ~8 samples for the same shrinkage. The union bound is valid under any dependence
-between metrics (cells of one report share contention and node state).
+Multiplicity: each metric's regress test is an anytime-valid level-``alpha_m`` test, so by the union bound
+the family's false-rollback probability over *all* ticks of the rollout is at most ``sum_m alpha_m = alpha``
+(valid under any dependence between metrics). **Weighted Bonferroni**: half of alpha is shared equally by the
+summary metrics (aggregate, e2e), half by the cells (all of alpha to one group when the other is empty): the
+cells mostly catch gross regressions, which win many nats per sample, while the aggregate has to resolve
+small gaps. The *pass* tests run at the full ``alpha`` each (``alpha_pass``), no split: the family passes only
+if *every* must-pass metric passes (an intersection-union test).
 
-The *pass* tests run at the full ``alpha`` each (``alpha_pass``), no split: the family passes only if
-*every* advance metric passes (an intersection-union test), so a candidate that is truly beyond the
-margin on some advance metric is advanced only if that metric's own level-alpha pass test errs.
-
-Per-metric statistics parameters: advance metrics use the judge's defaults (near bound D = 3% from the
-margin, far clip ``default_clip``); the cells use D = 10% and a far clip of 0.75 (x2.1) so that a cell
-2x slower is measured as such, not winsorised to +10% (:class:`MetricSeries` may override both).
+Per-metric parameters: near bound D = ``default_resolution(margin)``; far clip ``default_clip(margin)`` for
+the summary metrics and at least 0.75 (x2.1) for the cells, so that a cell 2x slower is measured as such.
 """
 
 from __future__ import annotations
@@ -42,26 +36,24 @@ from typing import Literal
 
 from controller.judge.latency import LatencyVerdict, NodePlan, default_clip, default_resolution, judge_latency
 
-CELL_RESOLUTION = 0.10
-"""Near-bound distance D of the per-cell (advance=False) tests."""
-
 CELL_CLIP = 0.75
 """Far winsorisation bound of the per-cell tests: a 2x slower cell (ln 2 = 0.69) is not clipped."""
 
-ADVANCE_SHARE = 0.5
-"""Share of the family's alpha given to the advance metrics (the rest to the others)."""
+SUMMARY_SHARE = 0.5
+"""Share of the family's alpha given to the summary metrics (aggregate, e2e; the rest to the cells)."""
 
 METHOD = "weighted bonferroni over one-sided betting tests"
 
 
 @dataclass(frozen=True)
 class MetricSeries:
-    """One judged metric's paired samples (log-ratios, arrival order) and its margin (log-ratio)."""
+    """One judged metric's per-report samples (log-ratios, arrival order) and its margin (log-ratio)."""
 
     samples: Sequence[float]
     node_ids: Sequence[str]
     margin: float
-    advance: bool = False
+    summary: bool = False  # the aggregate or e2e (multiplicity split)
+    must_pass: bool = True
     resolution: float | None = None  # None: family default for the metric's kind
     clip: float | None = None
 
@@ -70,7 +62,7 @@ class MetricSeries:
 class FamilyVerdict:
     decision: Literal["regress", "pass", "hold"]
     metrics: dict[str, LatencyVerdict]
-    deciding: str | None  # the metric that decided a regress (or the first holding advance metric)
+    deciding: str | None  # the metric that decided a regress (or the first holding must-pass metric)
     alpha_per_metric: float  # the smallest per-metric level (the cells' share)
     method: str = field(default=METHOD)
     alphas: dict[str, float] = field(default_factory=dict)
@@ -81,26 +73,20 @@ class FamilyVerdict:
                 "metrics": {k: v.as_dict() for k, v in self.metrics.items()}}
 
 
-def split_alpha(advance: Mapping[str, bool], alpha: float) -> dict[str, float]:
+def split_alpha(summary: Mapping[str, bool], alpha: float) -> dict[str, float]:
     """Per-metric levels of the weighted Bonferroni split (they sum to ``alpha``)."""
-    n_adv = sum(1 for a in advance.values() if a)
-    n_other = len(advance) - n_adv
-    share_adv = ADVANCE_SHARE if n_adv and n_other else (1.0 if n_adv else 0.0)
-    out = {}
-    for name, adv in advance.items():
-        out[name] = alpha * share_adv / n_adv if adv else alpha * (1.0 - share_adv) / n_other
-    return out
+    n_sum = sum(1 for a in summary.values() if a)
+    n_other = len(summary) - n_sum
+    share = SUMMARY_SHARE if n_sum and n_other else (1.0 if n_sum else 0.0)
+    return {name: alpha * share / n_sum if is_sum else alpha * (1.0 - share) / n_other
+            for name, is_sum in summary.items()}
 
 
 def metric_params(m: MetricSeries) -> tuple[float, float]:
     """(resolution, clip) used for one metric."""
-    if m.advance:
-        res = default_resolution(m.margin) if m.resolution is None else m.resolution
-        clip = default_clip(m.margin) if m.clip is None else m.clip
-    else:
-        res = max(CELL_RESOLUTION, default_resolution(m.margin)) if m.resolution is None else m.resolution
-        clip = max(CELL_CLIP, default_clip(m.margin)) if m.clip is None else m.clip
-    return res, clip
+    res = default_resolution(m.margin) if m.resolution is None else m.resolution
+    clip = default_clip(m.margin) if m.summary else max(CELL_CLIP, default_clip(m.margin))
+    return res, clip if m.clip is None else m.clip
 
 
 def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_samples: int) -> FamilyVerdict:
@@ -109,7 +95,7 @@ def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_sampl
         raise ValueError("judge_family needs at least one metric")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-    alphas = split_alpha({k: m.advance for k, m in metrics.items()}, alpha)
+    alphas = split_alpha({k: m.summary for k, m in metrics.items()}, alpha)
     verdicts = {}
     plans: list[tuple[Sequence[str], NodePlan]] = []  # node ids are usually shared by all metrics
     for name, m in metrics.items():
@@ -130,7 +116,7 @@ def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_sampl
     regressed = [k for k, v in verdicts.items() if v.decision == "regress"]
     if regressed:
         return FamilyVerdict("regress", verdicts, regressed[0], a_min, alphas=alphas)
-    waiting = [k for k, m in metrics.items() if m.advance and verdicts[k].decision != "pass"]
-    if waiting or not any(m.advance for m in metrics.values()):
+    waiting = [k for k, m in metrics.items() if m.must_pass and verdicts[k].decision != "pass"]
+    if waiting or not any(m.must_pass for m in metrics.values()):
         return FamilyVerdict("hold", verdicts, waiting[0] if waiting else None, a_min, alphas=alphas)
     return FamilyVerdict("pass", verdicts, None, a_min, alphas=alphas)

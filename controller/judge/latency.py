@@ -1,7 +1,7 @@
 """The latency judge: regress / pass / hold for one judged metric of one stratum, every tick.
 
-Input: paired samples ``ln(candidate_time / stable_time)`` (one per trial report, see
-:mod:`controller.judge.statistic`), in arrival order, with the node of each — *all* of the rollout's
+Input: per-report samples ``ln(candidate / stable)`` of one statistic (the mean or the p99 of the report's timed
+calls, see :mod:`controller.judge.statistic`), in arrival order, with the node of each — *all* of the rollout's
 samples for the stratum, across steps (evidence is carried: widening the canary adds nodes, it does not
 reset the sequence).
 
@@ -9,11 +9,12 @@ Decision rule (issue 13): two one-sided **tests by betting** at the margin (Waud
 "Estimating means of bounded random variables by betting", JRSS B 86(1), 2024, arXiv:2010.09686,
 Sec. 4-5: the hedged-capital construction, one side at a time; see :mod:`controller.judge.confseq`):
 
-* ``regress`` the wealth of the bet "the mean is above the margin" reached ``1/alpha``: by Ville's
-  inequality this happens with probability at most alpha, *at any time*, when the true (winsorised) mean
-  is at or below the margin — so looking every tick, for the whole rollout, is allowed;
-* ``pass``    the wealth of the bet "the mean is below the margin" reached ``1/alpha`` — anytime-valid
-  in the same way, so the caller may advance on ``pass`` alone (no fixed-sample t bound any more);
+* ``regress`` the wealth of the bet "the mean is above the margin" reached ``1/alpha`` (over the whole
+  series or a restarted one, each at its share of alpha): by Ville's inequality and the union bound this
+  happens with probability at most alpha, *at any time*, when the true (winsorised) mean is at or below the
+  margin — so looking every tick, for the whole rollout, is allowed;
+* ``pass``    the wealth of the bet "the mean is below the margin" is at ``1/alpha`` *now* (not at some
+  past tick: a pass holds only while it still holds) — anytime-valid in the same way;
 * ``hold``    neither, or fewer than ``min_samples`` usable samples (no data is never a pass).
 
 The reported ``lower``/``upper`` are the confidence bounds obtained by inverting each test over m (the
@@ -26,17 +27,17 @@ sample at its *near* winsorisation bound, ``resolution`` (D, default 3%) on the 
 the regress test winsorises to ``[margin - D, clip]`` and may stake up to ``c / D`` per unit; the pass
 test winsorises to ``[-clip, margin + D]``. Winsorising at ``margin - D`` raises the mean of a report
 distribution only by ``E[(margin - D - X)+]`` (reports more than D *below* the margin: a candidate
-clearly faster), which the lower-half statistic keeps small; the guarantee is for the winsorised mean.
+clearly faster); the guarantee is for the winsorised mean.
 
 Within-node dependence: Ville's inequality needs each sample's conditional mean, given the past, to be
 at most the margin. Autocorrelated node states break that for a naive Kelly bet, which stakes as if
 every sample were new information. Here the bet is the Gaussian-Kelly fraction ``g / (kappa * v)`` with
 ``kappa = (1 + rho) / (1 - rho)``, rho the lag-1 correlation between consecutive samples *of the same
-node* (estimated predictably, capped at 10): the long-run-variance (batch-means) correction, so a run of
+node* (estimated predictably, rho up to 0.995, no cap at 10): the long-run-variance (batch-means) correction, so a run of
 correlated samples buys as much wealth as the independent information it carries. This is a robustness
 device, not an exact proof under arbitrary dependence (no test is at one node: a node whose ratio really
 sits above the margin for a long stretch is, for that stretch, a slower candidate); the simulator
-measures it under strong within-node AR(1) (``kernelctl sim judge --noise autocorrelated``).
+measures it under strong within-node AR(1) (``kernelctl sim judge --classes plus1_ar``).
 
 Per-node balance (noisy-neighbour protection), decided **online** so that a sample's use never changes
 later (the sequence is nested in time, as Ville's inequality needs): with m distinct nodes seen so far
@@ -78,8 +79,8 @@ class LatencyVerdict:
     decision: Literal["regress", "pass", "hold"]
     n: int
     mean: float | None
-    lower: float
-    upper: float
+    lower: float | None  # None: the regress side has refuted nothing (no lower bound beyond the clip)
+    upper: float | None  # None: the pass side has refuted nothing
     margin: float
     alpha: float
     clipped: int
@@ -122,7 +123,8 @@ def decide(regress_wealth: np.ndarray, pass_wealth: np.ndarray, n: np.ndarray, *
            min_samples: int, alpha_pass: float | None = None) -> np.ndarray:
     """Vectorised decision rule shared by :func:`judge_latency` and the simulator (HOLD/PASS/REGRESS codes).
 
-    Inputs are running-max log-wealths of the two margin tests and the sample counts at the same looks.
+    Inputs are the log-wealths of the two margin tests (regress: its running maximum; pass: its current
+    value, so a pass holds only while it still holds) and the sample counts at the same looks.
     """
     thr = math.log(1.0 / alpha)
     thr_pass = thr if alpha_pass is None else math.log(1.0 / alpha_pass)
@@ -137,7 +139,7 @@ def decide(regress_wealth: np.ndarray, pass_wealth: np.ndarray, n: np.ndarray, *
 def sequential_wealth(x: np.ndarray, *, margin: float, resolution: float, clip: float,
                       cap: float = DEFAULT_BET_CAP, prev: np.ndarray | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Running-max log-wealth of the regress and pass tests over the last axis (vectorised core)."""
+    """Log-wealth of the regress (running max) and pass (current) tests over the last axis (vectorised)."""
     up = margin_test(x, side="regress", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
     down = margin_test(x, side="pass", margin=margin, resolution=resolution, far=clip, cap=cap, prev=prev)
     return up, down
@@ -285,7 +287,7 @@ def judge_latency(
     if dropped:
         notes += f"; {dropped} sample(s) ignored by per-node balance (max share {max_node_share:.0%})"
     if n == 0:
-        return LatencyVerdict(decision="hold", mean=None, lower=-clip, upper=clip,
+        return LatencyVerdict(decision="hold", mean=None, lower=None, upper=None,
                               reason=f"no samples yet (need {min_samples}){notes}", **common)
     kw = {"margin": margin, "resolution": resolution, "far": clip, "cap": lambda_cap, "prev": prev}
     up, down = sequential_wealth(x, margin=margin, resolution=resolution, clip=clip, cap=lambda_cap, prev=prev)
@@ -297,6 +299,9 @@ def judge_latency(
     # resolve the bisection tolerance in favour of the margin tests themselves
     lower = max(lower, margin) if w_up >= math.log(1.0 / alpha) else min(lower, margin - 1e-12)
     upper = min(upper, margin) if w_down >= math.log(1.0 / alpha_pass) else max(upper, margin + 1e-12)
+    # a side that refuted nothing has no bound (the clip value it returns is not a measurement)
+    low: float | None = lower if lower > -clip + 1e-9 else None
+    up_b: float | None = upper if upper < clip - 1e-9 else None
     mean = float(np.clip(x, -clip, clip).mean())
     span = f"over {n} samples"
     if n < min_samples:
@@ -306,8 +311,8 @@ def judge_latency(
     elif code == PASS:
         reason = f"candidate within margin: upper bound {_pct(upper)} < margin {_pct(margin)} {span}"
     else:
-        reason = (f"inconclusive: interval [{_pct(lower)}, {_pct(upper)}] contains margin {_pct(margin)} "
-                  f"{span} (mean {_pct(mean)})")
-    return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=lower, upper=upper,
+        reason = (f"inconclusive: upper bound {'none yet' if up_b is None else _pct(up_b)} not below the margin "
+                  f"{_pct(margin)} {span} (mean {_pct(mean)})")
+    return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=low, upper=up_b,
                           reason=reason + notes, log_wealth_regress=w_up, log_wealth_pass=w_down, **common)
 

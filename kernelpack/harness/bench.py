@@ -2,9 +2,17 @@
 
 * ``median_time``: CUDA uses ``triton.testing.do_bench`` (CUDA events, L2 flushed, median); CPU (Triton
   interpreter) uses the median of ``time.perf_counter`` around repeated calls after a warm-up call.
-* ``paired_latency``: stable and candidate are measured interleaved in ABBA order every round on the same
-  inputs, so drift (clocks, thermal, neighbours) hits both equally; the unit of evidence is the per-round
-  ``log_ratio = ln(candidate_s / stable_s)``.
+* ``interleaved_calls`` / ``paired_calls`` (what the trial's latency phase uses, issue 25): after a warm-up,
+  individual calls of both versions timed in ABBA quads (so contention hits both), grouped into fixed windows;
+  per arm :class:`ArmTimes` (every call's time and the per-window means) and :func:`arm_summary` (n, mean,
+  p50, p99, window means) for the judge. CUDA: the stream is held by a ``torch.cuda._sleep`` while a window
+  is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap; CPU: the
+  ``timer`` around each call (the trial passes ``time.thread_time``: the interpreter's Python work).
+  Each quad is ABBA or BAAB at random (and a GPU window's hold jittered), so nothing periodic on the device
+  falls on one arm window after window. :func:`drop_contended` removes, from both arms, the windows in which
+  *both* arms ran slower than ``CONTENDED`` x their median window (a busy device hits both; a candidate's own
+  slowness never gets its windows dropped, and contention that hit one arm only stays, as noise of either
+  sign); the count travels with the report.
 * ``launches_per_call``: on CUDA, Triton's ``knobs.runtime.launch_enter_hook`` (fires once per real kernel
   launch from the compiled launcher). The interpreter never calls that hook, so under ``TRITON_INTERPRET=1``
   the fallback counts calls of ``triton.runtime.interpreter.GridExecutor.__call__`` (one per grid launch)
@@ -18,7 +26,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,17 +46,6 @@ from kernelpack.harness.numerics import (
     resolve_dtype,
 )
 from kernelpack.kernels.spec import KernelOp, Shape
-
-
-@dataclass
-class LatencyPair:
-    """One round of one shape; ``log_ratio > 0`` means the candidate was slower."""
-
-    shape: dict[str, int]
-    round: int
-    stable_s: float
-    candidate_s: float
-    log_ratio: float
 
 
 @dataclass
@@ -106,7 +105,161 @@ def median_time(
     return statistics.median(times)
 
 
-def _runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+@dataclass
+class ArmTimes:
+    """Every timed call of one version (seconds, measurement order, the same number per window) and its
+    per-window means."""
+
+    calls: list[float]
+    windows: list[float]
+
+
+CONTENDED = 1.5
+"""A window in which *both* arms' means are over this multiple of their median window means is contended."""
+
+
+def drop_contended(stable: ArmTimes, candidate: ArmTimes, factor: float = CONTENDED
+                   ) -> tuple[ArmTimes, ArmTimes, int]:
+    """Both arms without the contended windows (see the module docstring); the count."""
+    if len(stable.windows) < 3:
+        return stable, candidate, 0
+    ls, lc = factor * statistics.median(stable.windows), factor * statistics.median(candidate.windows)
+    keep = [w for w, (ts, tc) in enumerate(zip(stable.windows, candidate.windows, strict=True))
+            if ts <= ls or tc <= lc]
+    if len(keep) == len(stable.windows):
+        return stable, candidate, 0
+
+    def pick(arm: ArmTimes) -> ArmTimes:
+        per = len(arm.calls) // len(arm.windows)
+        return ArmTimes([c for w in keep for c in arm.calls[w * per:(w + 1) * per]], [arm.windows[w] for w in keep])
+
+    return pick(stable), pick(candidate), len(stable.windows) - len(keep)
+
+
+def quantile(sorted_times: Sequence[float], q: float) -> float:
+    """The ``ceil(q n)``-th smallest value (an order statistic: no interpolation past the largest call)."""
+    n = len(sorted_times)
+    return float(sorted_times[min(n - 1, max(0, math.ceil(q * n) - 1))])
+
+
+def arm_summary(arm: ArmTimes) -> dict[str, object]:
+    """What the report carries per arm: n, mean, p50, p99 (order statistics) and the window means."""
+    if not arm.calls:
+        raise HarnessError("an arm needs at least one timed call")
+    st = sorted(arm.calls)
+    return {"n": len(st), "mean_s": max(statistics.fmean(st), 1e-9), "p50_s": max(quantile(st, 0.5), 1e-9),
+            "p99_s": max(quantile(st, 0.99), 1e-9), "windows_s": [max(w, 1e-9) for w in arm.windows]}
+
+
+def interleaved_calls(
+    run_a: Callable[[], object],
+    run_b: Callable[[], object],
+    *,
+    device: str | torch.device,
+    windows: int,
+    quads: int,
+    warmup_calls: int = 1,
+    timer: Callable[[], float] = time.perf_counter,
+    budget_s: float | None = None,
+    min_windows: int = 4,
+    seed: int = 0,
+) -> tuple[ArmTimes, ArmTimes]:
+    """Individual calls of A and B, timed in ``windows`` windows of ``quads`` ABBA quads (2 * quads calls per
+    arm and window), after ``warmup_calls`` untimed calls of each. See the module docstring for the clocks.
+    ``budget_s``: stop after the window that passes this much wall time, once ``min_windows`` are done (a slow
+    cell gets fewer calls, never fewer than ``min_windows * 2 * quads`` per arm)."""
+    if windows < 1 or quads < 1:
+        raise HarnessError(f"windows and quads must be >= 1, got {windows} and {quads}")
+    # no garbage collection inside the timed calls (as timeit): a collection is triggered by the allocation
+    # count, so it falls on the same call of the same ABBA position trial after trial, always one arm's
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _interleaved(run_a, run_b, device=device, windows=windows, quads=quads, warmup_calls=warmup_calls,
+                            timer=timer, budget_s=budget_s, min_windows=min_windows, seed=seed)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, device: str | torch.device,
+                 windows: int, quads: int, warmup_calls: int, timer: Callable[[], float], budget_s: float | None,
+                 min_windows: int, seed: int) -> tuple[ArmTimes, ArmTimes]:
+    start = time.perf_counter()
+    dev = resolve_device(device)
+    for _ in range(max(0, warmup_calls)):
+        run_a()
+        run_b()
+    a, b = ArmTimes([], []), ArmTimes([], [])
+    rng = random.Random(seed)
+    for _ in range(windows):
+        # each quad ABBA or BAAB at random: nothing periodic on the device (a time slice of another process,
+        # a clock step) can fall on the same arm window after window
+        order = [arm for _q in range(quads) for arm in ((0, 1, 1, 0) if rng.random() < 0.5 else (1, 0, 0, 1))]
+        if _is_cuda(dev):
+            times = _cuda_window((run_a, run_b), order, dev, rng)
+        else:
+            times = []
+            for arm in order:
+                fn = run_b if arm else run_a
+                t0 = timer()
+                fn()
+                times.append(timer() - t0)
+        for arm, acc in ((0, a), (1, b)):
+            mine = [t for o, t in zip(order, times, strict=True) if o == arm]
+            acc.calls.extend(mine)
+            acc.windows.append(statistics.fmean(mine))
+        if budget_s is not None and len(a.windows) >= min_windows and time.perf_counter() - start >= budget_s:
+            break
+    return a, b
+
+
+def _cuda_window(fns: tuple[Callable[[], object], Callable[[], object]], order: Sequence[int],
+                 dev: torch.device, rng: random.Random) -> list[float]:
+    """One window on the GPU: the stream held by a sleep kernel while every call is enqueued between events
+    (~25 us per call, jittered so that windows do not lock onto another process's time slices)."""
+    with torch.cuda.device(dev):
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
+        torch.cuda._sleep(int(50_000 * len(order) * rng.uniform(0.5, 1.5)))
+        for arm, (start, end) in zip(order, ev, strict=True):
+            start.record()
+            fns[arm]()
+            end.record()
+        torch.cuda.synchronize(dev)
+        return [max(s.elapsed_time(e), 1e-6) / 1e3 for s, e in ev]
+
+
+def paired_calls(
+    stable: tuple[KernelOp, Mapping],
+    candidate: tuple[KernelOp, Mapping],
+    dtype: str,
+    shape: Shape,
+    *,
+    device: str | torch.device,
+    seed: int,
+    windows: int,
+    quads: int,
+    warmup_calls: int = 1,
+    timer: Callable[[], float] = time.perf_counter,
+    budget_s: float | None = None,
+) -> tuple[ArmTimes, ArmTimes]:
+    """:func:`interleaved_calls` of one op's stable and candidate versions on the same seeded inputs."""
+    s_op, c_op = stable[0], candidate[0]
+    if s_op.name != c_op.name:
+        raise HarnessError(f"cannot pair different ops: stable {s_op.name!r} vs candidate {c_op.name!r}")
+    tdtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    for op in (s_op, c_op):
+        op.domain.check(tdtype, shape)
+    inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
+    return interleaved_calls(call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs), device=dev,
+                             windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer,
+                             budget_s=budget_s, seed=seed)
+
+
+def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """One call of ``op`` on ``inputs`` into poisoned outputs allocated once (what every timing times)."""
     outs = alloc_poisoned(op, inputs)
     cfg = merged_config(op, config)
     inp = dict(inputs)
@@ -115,54 +268,6 @@ def _runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Ten
         op.run(inp, outs, cfg)
 
     return call
-
-
-def paired_latency(
-    stable: tuple[KernelOp, Mapping],
-    candidate: tuple[KernelOp, Mapping],
-    dtype: str,
-    shapes: Sequence[Shape],
-    *,
-    device: str | torch.device,
-    rounds: int,
-    seed: int,
-    rep_ms: float | None = None,
-    timer: Callable[[], float] = time.perf_counter,
-) -> list[LatencyPair]:
-    """Interleaved stable/candidate latency: per round and shape, ABBA order on the same inputs.
-
-    ``stable_s``/``candidate_s`` are the means of each version's two measurements in the round; each
-    measurement is a ``median_time`` (``rep_ms`` defaults to 20 ms on CUDA, 0 on CPU = ``min_reps`` calls).
-    """
-    if rounds < 1:
-        raise HarnessError(f"rounds must be >= 1, got {rounds}")
-    if not shapes:
-        raise HarnessError("paired_latency needs at least one shape")
-    s_op, c_op = stable[0], candidate[0]
-    if s_op.name != c_op.name:
-        raise HarnessError(f"cannot pair different ops: stable {s_op.name!r} vs candidate {c_op.name!r}")
-    tdtype = resolve_dtype(dtype)
-    dev = resolve_device(device)
-    if rep_ms is None:
-        rep_ms = 20.0 if _is_cuda(dev) else 0.0
-    timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": 3, "timer": timer}
-    prepared = []
-    for i, shape in enumerate(shapes):
-        for op in (s_op, c_op):
-            op.domain.check(tdtype, shape)
-        inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed + i))
-        prepared.append((dict(shape), _runner(s_op, stable[1], inputs), _runner(c_op, candidate[1], inputs)))
-    pairs: list[LatencyPair] = []
-    for r in range(rounds):
-        for shape, run_s, run_c in prepared:
-            a1 = median_time(run_s, **timing)
-            b1 = median_time(run_c, **timing)
-            b2 = median_time(run_c, **timing)
-            a2 = median_time(run_s, **timing)
-            st, ca = (a1 + a2) / 2, (b1 + b2) / 2
-            pairs.append(LatencyPair(shape=shape, round=r, stable_s=st, candidate_s=ca,
-                                     log_ratio=math.log(ca / st)))
-    return pairs
 
 
 @contextlib.contextmanager
@@ -198,7 +303,7 @@ def count_launches() -> Iterator[list[int]]:
 def launches_per_call(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> int:
     """Number of Triton kernel launches one ``op.run`` makes (CUDA: warmed up first, so compilation and
     autotuning runs are not counted)."""
-    call = _runner(op, config, inputs)
+    call = call_runner(op, config, inputs)
     dev = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     if _is_cuda(dev):
         call()
@@ -267,7 +372,7 @@ def bench_op(
     dev = resolve_device(device)
     op.domain.check(tdtype, shape)
     inputs = op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
-    call = _runner(op, config, inputs)
+    call = call_runner(op, config, inputs)
     if rep_ms is None:
         rep_ms = 100.0 if _is_cuda(dev) else 0.0
     median_s = median_time(call, device=dev, rep_ms=rep_ms, min_reps=3)

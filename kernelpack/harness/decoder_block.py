@@ -14,20 +14,21 @@ vLLM::
 Each stage runs the bundle's kernel when the ``ops`` mapping has it (name -> (KernelOp, config)) and
 eager PyTorch otherwise, so a bundle that ships one op still gets an end-to-end number. The same stage code
 run in float64 is the reference; the eager block in the input dtype is the baseline the kernels must not be
-much worse than. ``decoder_block_latency`` measures two op sets interleaved (ABBA per round) like
-``paired_latency``.
+much worse than. ``decoder_block_latency`` times two op sets call by call, interleaved (ABBA quads, one window
+per round), like :func:`kernelpack.harness.bench.paired_calls`.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from kernelpack.harness.bench import median_time
+from kernelpack.harness.bench import interleaved_calls
 from kernelpack.harness.numerics import HarnessError, make_generator, resolve_device, resolve_dtype
 from kernelpack.kernels.spec import KernelOp
 
@@ -213,7 +214,7 @@ class DecoderBlockResult:
     device: str
     kernels_a: list[str]
     kernels_b: list[str]
-    a_s: list[float]  # per round, mean of the two A measurements (seconds)
+    a_s: list[float]  # per round (window), mean of A's timed calls in it (seconds)
     b_s: list[float]
     log_ratios: list[float]  # per round ln(b / a): > 0 means B is slower
     median_log_ratio: float
@@ -224,6 +225,8 @@ class DecoderBlockResult:
     within_tolerance_a: bool
     within_tolerance_b: bool
     graphed: bool = False  # timed as CUDA-graph replays
+    a_calls: list[float] = field(default_factory=list)  # every timed call of A (seconds, measurement order)
+    b_calls: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -328,9 +331,8 @@ def decoder_block_latency(
     dev = setup.device
     block_a, block_b = DecoderBlock(setup.weights, ops_a), DecoderBlock(setup.weights, ops_b)
     num_a, num_b = _numerics(setup, block_a), _numerics(setup, block_b)
-    if rep_ms is None:
+    if rep_ms is None:  # warm-up before the timed windows: 20 ms on a GPU, one call on the CPU
         rep_ms = 20.0 if dev.type == "cuda" else 0.0
-    timing = {"device": dev, "warmup_ms": min(5.0, rep_ms), "rep_ms": rep_ms, "min_reps": min_reps}
     x, res = setup.x, setup.residual
     run_a, run_b = (lambda: block_a(x, res)), (lambda: block_b(x, res))
     graphed = False
@@ -340,23 +342,30 @@ def decoder_block_latency(
             graphed = True
         except Exception:
             run_a, run_b = (lambda: block_a(x, res)), (lambda: block_b(x, res))
-    a_s, b_s, ratios = [], [], []
-    for _ in range(rounds):
-        a1 = median_time(run_a, **timing)
-        b1 = median_time(run_b, **timing)
-        b2 = median_time(run_b, **timing)
-        a2 = median_time(run_a, **timing)
-        a, b = (a1 + a2) / 2, (b1 + b2) / 2
-        a_s.append(a)
-        b_s.append(b)
-        ratios.append(math.log(b / a))
+    # individual calls in ABBA quads, one window per round (issue 25: the judge sees the distribution)
+    arm_a, arm_b = interleaved_calls(run_a, run_b, device=dev, windows=rounds, quads=max(1, (min_reps + 1) // 2),
+                                     warmup_calls=max(1, _calls_in(run_a, rep_ms, dev)))
+    a_s, b_s = arm_a.windows, arm_b.windows
+    ratios = [math.log(b / a) for a, b in zip(a_s, b_s, strict=True)]
     return DecoderBlockResult(
         tokens=tokens, hidden=hidden, heads=heads, head_dim=head_dim, intermediate=setup.intermediate,
         dtype=dtype, device=str(dev), kernels_a=block_a.kernels, kernels_b=block_b.kernels, a_s=a_s, b_s=b_s,
         log_ratios=ratios, median_log_ratio=statistics.median(ratios), max_abs_err_a=num_a.max_abs_err,
         max_abs_err_b=num_b.max_abs_err, eager_max_abs_err=setup.eager_err, atol=setup.atol,
         within_tolerance_a=num_a.within_tolerance, within_tolerance_b=num_b.within_tolerance, graphed=graphed,
+        a_calls=arm_a.calls, b_calls=arm_b.calls,
     )
+
+
+def _calls_in(fn: Callable[[], object], ms: float, dev: torch.device) -> int:
+    """How many calls of ``fn`` take about ``ms`` milliseconds (0 when ``ms`` is 0; one timed call decides)."""
+    if ms <= 0:
+        return 0
+    t0 = time.perf_counter()
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return int(min(1000, ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
 
 
 def _graph(fn: Callable[[], object], dev: torch.device) -> Callable[[], None]:

@@ -1,34 +1,25 @@
-"""Monte-Carlo benchmark of the family judge under named noise classes (``kernelctl sim judge --noise``).
+"""Monte-Carlo benchmark of the judge on the candidate classes of issue 25 (``kernelctl sim judge``).
 
-One *run* is one canary step of ``nodes`` nodes observed for ``ticks`` ticks (the step deadline); every
-tick each node delivers one report holding one sample per (op, batch-size) cell (``cells``, default 45)
-and one end-to-end sample. The judged family is what ``controller.gates`` hands to
-:func:`controller.judge.family.judge_family`: the 45 cell metrics (advance=False), the traffic-weighted
-aggregate ``sum_c w_c x_c`` of each report (advance=True) and the end-to-end ratio (advance=True), each
-a series over all reports so far in arrival order (tick-major, node ids 0..K-1). The judge is evaluated
-after every tick with the **same code**: the vectorised core of :func:`judge_latency`
-(:func:`controller.judge.confseq.margin_test` + :func:`controller.judge.latency.decide`) with the
-family's parameters and weighted-Bonferroni levels (:func:`controller.judge.family.split_alpha`,
-:func:`controller.judge.family.metric_params`); ``tests/controller/test_judge_family.py`` checks that
-the decisions equal ``judge_family``'s on the accumulated samples, tick by tick.
+One *run* is one canary step of ``nodes`` nodes observed for ``ticks`` ticks (the step deadline); every tick
+each node delivers one report: per cell (default 8; the busiest carries 60% of the traffic, the rest share
+40%) and for e2e, both arms' mean and p99 over ``calls`` timed calls (:mod:`sim.judge.noise`). The judged
+family is what ``controller.judge.gates.latency`` hands to :func:`controller.judge.family.judge_family`:
+mean and p99 of every cell, of the traffic-weighted aggregate (:func:`controller.judge.statistic.
+aggregate_log_ratio`) and of e2e, each a series over all reports so far (tick-major), each against its own
+margin. The judge is evaluated after every tick with the same code (the vectorised core of
+:func:`judge_latency`: :func:`controller.judge.confseq.margin_test` and the family's parameters and levels);
+``tests/controller/test_judge_family.py`` checks the decisions equal ``judge_family``'s tick by tick.
 
-Per-report cell samples come from raw interleaved timings reduced by the engine's estimator
-(:func:`controller.judge.statistic.cell_log_ratios`), drawn from pools built per noise class (see
-:mod:`sim.judge.noise`); traffic weights are Zipf (w_c ~ 1 / (c + 1)).
+Outcomes per run: the first tick the family regresses, the first tick it passes (every metric passes at
+that tick, nothing regressed). *Promoted* = passed before any regress; *rolled back* = regressed before any
+pass; *undecided* = neither by the deadline. For the classes that deserve a promotion the false-rollback rate
+counts a regress at *any* tick, even after a pass (conservative).
 
-Scenarios: ``identical`` (A/A), ``plus1`` (+1% in every cell, inside the 2% margin), ``plus5`` (+5% in
-every cell), ``cell2x`` (the cell with the least traffic 2x slower, the rest identical).
-
-Baselines, on the same reports and the same multiplicity split, re-evaluated every tick:
-``ttest`` (one-sided Student-t bound on each metric's paired log-ratios: regress when the lower bound is
-above the margin, pass when the upper bound is below it) and ``mannwhitney`` (Kayenta-style: per tick the
-group-mean log-latency of each arm, one-sided Mann-Whitney U of candidate vs stable, regress when
-p < alpha_m and the median ratio exceeds the margin; it never passes, so its "undecided" is not reported).
-
-Outcomes per run: the first tick at which the family regresses and the first at which it passes.
-False rollbacks (identical, plus1) count a regress at *any* tick up to the deadline, even after a pass
-(conservative); detection (plus5, cell2x) counts a regress before any pass; undecided = neither by the
-deadline.
+Baselines on the same reports, same multiplicity split, re-evaluated every tick, mean statistics only:
+``ttest`` (one-sided Student-t bounds: regress when the lower bound is above the margin, pass when every
+upper bound is below it) and ``mannwhitney`` (Kayenta: per tick the group-mean log-latency of each arm,
+one-sided Mann-Whitney U, regress when p < alpha_m and the median ratio exceeds the margin; pass = never
+regressed by the deadline).
 """
 
 from __future__ import annotations
@@ -42,63 +33,55 @@ import numpy as np
 from controller.judge.confseq import margin_test
 from controller.judge.family import MetricSeries, metric_params, split_alpha
 from controller.judge.latency import METHOD
-from sim.judge.noise import NOISE_CLASSES, FamilyNoise
+from controller.judge.statistic import aggregate_log_ratio
+from sim.judge.noise import CLASSES, PASS, SIGMAS, CandidateClass, ar1, pool
 
 NEVER = np.iinfo(np.int32).max
-SCENARIOS = ("identical", "plus1", "plus5", "cell2x")
-FALSE_KINDS = ("identical", "plus1")
+P99_MARGIN = math.log(1.10)
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """Simulation settings (defaults are the documented benchmark)."""
 
-    runs: int = 10_000
+    runs: int = 2000
     seed: int = 0
-    noise: str = "iid"
+    classes: tuple[str, ...] = tuple(CLASSES)
     nodes: tuple[int, ...] = (1, 3, 10)
-    scenarios: tuple[str, ...] = SCENARIOS
     ticks: int = 60
-    cells: int = 45
+    cells: int = 8
+    calls: int = 512
+    e2e_calls: int = 72
     margin: float = math.log(1.02)
+    p99_margin: float = P99_MARGIN
+    e2e_margin: float = math.log(1.03)
     alpha: float = 0.05
     min_samples: int = 5
     baselines: bool = True
-    elements: int = 3_000_000  # target array size per chunk
+    pool: int = 1 << 13
+    elements: int = 2_000_000  # target array size per chunk
 
     def __post_init__(self) -> None:
-        if self.runs < 1 or self.ticks < 1 or self.cells < 1 or not self.nodes or min(self.nodes) < 1:
-            raise ValueError("runs, ticks, cells and every node count must be >= 1")
-        if self.noise not in NOISE_CLASSES:
-            raise ValueError(f"unknown noise class {self.noise!r}; choose one of {', '.join(NOISE_CLASSES)}")
-        for s in self.scenarios:
-            if s not in SCENARIOS:
-                raise ValueError(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+        if self.runs < 1 or self.ticks < 1 or self.cells < 2 or not self.nodes or min(self.nodes) < 1:
+            raise ValueError("runs, ticks and every node count must be >= 1, cells >= 2")
+        for c in self.classes:
+            if c not in CLASSES:
+                raise ValueError(f"unknown class {c!r}; choose from {', '.join(CLASSES)}")
 
 
 def traffic_weights(cells: int) -> np.ndarray:
-    """Zipf traffic weights of the cells (sum 1; cell 0 the busiest)."""
-    w = 1.0 / np.arange(1, cells + 1)
-    return w / w.sum()
+    """Cell 0 carries 60% of the traffic, the others share 40% (Zipf)."""
+    rest = 1.0 / np.arange(1, cells)
+    return np.concatenate([[0.6], 0.4 * rest / rest.sum()])
 
 
-def cell_effects(scenario: str, cells: int) -> np.ndarray:
-    """True per-cell log-effects of a scenario."""
-    eff = np.zeros(cells)
-    if scenario == "plus1":
-        eff[:] = math.log(1.01)
-    elif scenario == "plus5":
-        eff[:] = math.log(1.05)
-    elif scenario == "cell2x":
-        eff[-1] = math.log(2.0)
-    return eff
-
-
-def metric_layout(cells: int, margin: float) -> dict[str, MetricSeries]:
-    """The family's metric names and kinds (empty series: only advance flags and margins are used)."""
-    out = {f"cell{c:02d}": MetricSeries((), (), margin, advance=False) for c in range(cells)}
-    out["aggregate"] = MetricSeries((), (), margin, advance=True)
-    out["e2e"] = MetricSeries((), (), margin, advance=True)
+def metric_layout(cells: int, cfg: SimConfig) -> dict[str, MetricSeries]:
+    """Metric names in the gate's order (cells, aggregate, e2e; mean then p99), margins and kinds."""
+    out = {}
+    for base, summary, mean_margin in ([(f"cell{c}", False, cfg.margin) for c in range(cells)]
+                                       + [("aggregate", True, cfg.margin), ("e2e", True, cfg.e2e_margin)]):
+        out[f"{base}:mean"] = MetricSeries((), (), mean_margin, summary=summary)
+        out[f"{base}:p99"] = MetricSeries((), (), max(cfg.p99_margin, mean_margin), summary=summary)
     return out
 
 
@@ -107,12 +90,54 @@ def _first(mask: np.ndarray) -> np.ndarray:
     return np.where(mask.any(axis=-1), idx, NEVER)
 
 
-def family_series(cells_x: np.ndarray, e2e: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """(runs, metrics, ticks * nodes) tick-major series: cells, then aggregate, then e2e."""
-    runs, ticks, nodes, ncell = cells_x.shape
-    agg = cells_x @ weights.astype(np.float32)
-    allm = np.concatenate([cells_x, agg[..., None], e2e[..., None]], axis=-1)  # (R, T, K, M)
-    return np.ascontiguousarray(allm.transpose(0, 3, 1, 2).reshape(runs, ncell + 2, ticks * nodes))
+@dataclass(frozen=True)
+class Reports:
+    """(runs, metrics, ticks * nodes) tick-major log-ratio series and the stable arm's log mean level."""
+
+    series: np.ndarray
+    levels: np.ndarray
+
+
+class Generator:
+    """Draws reports of one class; pools of per-report arm statistics built once."""
+
+    def __init__(self, cls: CandidateClass, cfg: SimConfig) -> None:
+        rng = np.random.default_rng([cfg.seed, 7919, list(CLASSES).index(cls.name)])
+        self.cls, self.cfg = cls, cfg
+        self.sigma = [SIGMAS[c % len(SIGMAS)] for c in range(cfg.cells)]
+        self.pools = {(s, heavy): pool(rng, cls, cfg.pool, cfg.calls, s, True, heavy).stats
+                      for s in SIGMAS for heavy in (False, True)}
+        self.e2e = pool(rng, cls, cfg.pool, cfg.e2e_calls, 0.015, True, False).stats
+        self.weights = traffic_weights(cfg.cells)
+
+    def draw(self, rng: np.random.Generator, runs: int, nodes: int) -> Reports:
+        cfg, cls = self.cfg, self.cls
+        ticks = cfg.ticks
+        shape = (runs, ticks, nodes)
+        cell = np.empty((*shape, cfg.cells, 4))
+        for c in range(cfg.cells):
+            cell[..., c, :] = self.pools[(self.sigma[c], c == 0)][rng.integers(0, cfg.pool, shape)]
+        e2e = self.e2e[rng.integers(0, cfg.pool, shape)]
+        level = np.exp(rng.standard_normal((runs, 1, nodes)) * 0.1)  # node speed, both arms
+        cell *= level[..., None, None]
+        e2e = e2e * level[..., None]
+        common = np.zeros(shape)
+        if cls.ratio_sd > 0:
+            common = ar1(rng, (runs, nodes), ticks, cls.ratio_phi, cls.ratio_sd)
+        cell[..., 2:] *= np.exp(common)[..., None, None]
+        e2e[..., 2:] *= np.exp(common)[..., None]
+        lr_cell = np.log(cell[..., 2:] / cell[..., :2])  # (R, T, K, C, [mean, p99])
+        agg = np.stack([aggregate_log_ratio(cell[..., 0], cell[..., 2], self.weights),
+                        aggregate_log_ratio(cell[..., 1], cell[..., 3], self.weights)], axis=-1)
+        lr_e2e = np.log(e2e[..., 2:] / e2e[..., :2])
+        allm = np.concatenate([lr_cell.reshape(*shape, -1), agg, lr_e2e], axis=-1)  # (R, T, K, M)
+        lv_cell = np.log(cell[..., 0])
+        lv = np.concatenate([np.repeat(lv_cell, 2, axis=-1), np.log(cell[..., 0] @ self.weights)[..., None]
+                             .repeat(2, -1), np.log(e2e[..., :1]).repeat(2, -1)], axis=-1)
+        m = allm.shape[-1]
+        series = np.ascontiguousarray(allm.transpose(0, 3, 1, 2).reshape(runs, m, ticks * nodes))
+        levels = np.ascontiguousarray(lv.transpose(0, 3, 1, 2).reshape(runs, m, ticks * nodes))
+        return Reports(series, levels)
 
 
 def judge_codes(series: np.ndarray, nodes: int, layout: dict[str, MetricSeries], alpha: float,
@@ -123,24 +148,28 @@ def judge_codes(series: np.ndarray, nodes: int, layout: dict[str, MetricSeries],
     ends = np.arange(1, ticks + 1) * nodes - 1
     enough = (ends + 1) >= min_samples
     prev = np.arange(n) - nodes
-    alphas = split_alpha({k: m.advance for k, m in layout.items()}, alpha)
+    alphas = split_alpha({k: m.summary for k, m in layout.items()}, alpha)
     regress = np.zeros((runs, ticks), dtype=bool)
     passed = np.ones((runs, ticks), dtype=bool)
     for j, (name, m) in enumerate(layout.items()):
         res, clip = metric_params(m)
-        thr = math.log(1.0 / alphas[name])
         x = series[:, j, :].astype(np.float64)
         up = margin_test(x, side="regress", margin=m.margin, resolution=res, far=clip, prev=prev)
-        regress |= (up[:, ends] >= thr) & enough
-        if m.advance:
+        regress |= (up[:, ends] >= math.log(1.0 / alphas[name])) & enough
+        if m.must_pass:
             down = margin_test(x, side="pass", margin=m.margin, resolution=res, far=clip, prev=prev)
             passed &= (down[:, ends] >= math.log(1.0 / alpha)) & enough  # pass tests at the full alpha
+    regress = np.logical_or.accumulate(regress, axis=-1)
     return _first(regress), _first(passed & ~regress)
+
+
+def _mean_metrics(layout: dict[str, MetricSeries]) -> list[int]:
+    return [j for j, k in enumerate(layout) if k.endswith(":mean")]
 
 
 def ttest_codes(series: np.ndarray, nodes: int, layout: dict[str, MetricSeries], alpha: float,
                 min_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Repeated one-sided t-test baseline, same family rule and levels."""
+    """Repeated one-sided t-test on the mean metrics, same family rule and levels."""
     from scipy import stats
 
     runs, _, n = series.shape
@@ -148,39 +177,39 @@ def ttest_codes(series: np.ndarray, nodes: int, layout: dict[str, MetricSeries],
     ends = np.arange(1, ticks + 1) * nodes - 1
     cnt = (ends + 1).astype(np.float64)
     ok = cnt >= max(min_samples, 2)
-    alphas = split_alpha({k: m.advance for k, m in layout.items()}, alpha)
-    x = series.astype(np.float64)
-    s1 = np.cumsum(x, axis=-1)[..., ends]
-    s2 = np.cumsum(x * x, axis=-1)[..., ends]
-    mean = s1 / cnt
-    sd = np.sqrt(np.maximum(s2 / cnt - mean * mean, 0.0) * cnt / np.maximum(cnt - 1, 1))
+    names = list(layout)
+    idx = _mean_metrics(layout)
+    alphas = split_alpha({names[j]: layout[names[j]].summary for j in idx}, alpha)
     regress = np.zeros((runs, ticks), dtype=bool)
     passed = np.ones((runs, ticks), dtype=bool)
-    for j, (name, m) in enumerate(layout.items()):
-        q = stats.t.ppf(1 - alphas[name], np.maximum(cnt - 1, 1))
-        half = q * sd[:, j] / np.sqrt(cnt)
-        regress |= ((mean[:, j] - half) > m.margin) & ok
-        if m.advance:
-            half_p = stats.t.ppf(1 - alpha, np.maximum(cnt - 1, 1)) * sd[:, j] / np.sqrt(cnt)
-            passed &= ((mean[:, j] + half_p) < m.margin) & ok
+    for j in idx:
+        x = series[:, j, :].astype(np.float64)
+        mean = np.cumsum(x, axis=-1)[..., ends] / cnt
+        s2 = np.cumsum(x * x, axis=-1)[..., ends] / cnt
+        sd = np.sqrt(np.maximum(s2 - mean * mean, 0.0) * cnt / np.maximum(cnt - 1, 1))
+        m = layout[names[j]]
+        q = stats.t.ppf(1 - alphas[names[j]], np.maximum(cnt - 1, 1))
+        regress |= ((mean - q * sd / np.sqrt(cnt)) > m.margin) & ok
+        half_p = stats.t.ppf(1 - alpha, np.maximum(cnt - 1, 1)) * sd / np.sqrt(cnt)
+        passed &= ((mean + half_p) < m.margin) & ok
+    regress = np.logical_or.accumulate(regress, axis=-1)
     return _first(regress), _first(passed & ~regress)
 
 
-def mannwhitney_first(series: np.ndarray, levels: np.ndarray, nodes: int, layout: dict[str, MetricSeries],
-                      alpha: float, min_samples: int) -> np.ndarray:
-    """Kayenta-style repeated Mann-Whitney baseline on per-tick group-mean arm log-latencies.
-
-    ``levels`` (runs, metrics, ticks * nodes): the stable arm's log-latency of each report; the candidate
-    arm is ``levels + series``. U is updated incrementally tick by tick (normal approximation, one-sided).
-    """
+def mannwhitney_first(rep: Reports, nodes: int, layout: dict[str, MetricSeries], alpha: float,
+                      min_samples: int) -> np.ndarray:
+    """Kayenta-style repeated Mann-Whitney on per-tick group-mean arm log-latencies (mean metrics)."""
     from scipy.special import ndtr
 
+    idx = _mean_metrics(layout)
+    names = list(layout)
+    series, levels = rep.series[:, idx], rep.levels[:, idx]
     runs, nmet, n = series.shape
     ticks = n // nodes
     st = levels.reshape(runs, nmet, ticks, nodes).mean(axis=-1)
     ca = (levels + series).reshape(runs, nmet, ticks, nodes).mean(axis=-1)
-    alphas = np.array(list(split_alpha({k: m.advance for k, m in layout.items()}, alpha).values()))
-    margins = np.array([m.margin for m in layout.values()])
+    alphas = np.array(list(split_alpha({names[j]: layout[names[j]].summary for j in idx}, alpha).values()))
+    margins = np.array([layout[names[j]].margin for j in idx])
     u = np.zeros((runs, nmet))
     regress = np.zeros((runs, ticks), dtype=bool)
     for t in range(ticks):
@@ -195,79 +224,61 @@ def mannwhitney_first(series: np.ndarray, levels: np.ndarray, nodes: int, layout
     return _first(regress)
 
 
-def _arm_levels(rng: np.random.Generator, runs: int, ticks: int, nodes: int, nmet: int) -> np.ndarray:
-    """Stable-arm log-latency per report: node baseline (sd 10%), AR(1) node state (phi 0.8, sd 3%),
-    per-report noise sd 1% (both arms share baseline and state; the candidate adds the report's ratio)."""
-    base = rng.standard_normal((runs, 1, 1, nodes)) * 0.10
-    state = np.empty((runs, 1, ticks, nodes))
-    cur = rng.standard_normal((runs, nodes)) * 0.03
-    for t in range(ticks):
-        if t:
-            cur = 0.8 * cur + 0.03 * math.sqrt(1 - 0.64) * rng.standard_normal((runs, nodes))
-        state[:, 0, t] = cur
-    lv = base + state + rng.standard_normal((runs, nmet, ticks, nodes)) * 0.01
-    return lv.reshape(runs, nmet, ticks * nodes)
-
-
-def _summary(first_reg: np.ndarray, first_pass: np.ndarray | None, scenario: str, ticks: int
-             ) -> dict[str, object]:
+def _summary(first_reg: np.ndarray, first_pass: np.ndarray | None, expected: str) -> dict[str, object]:
     runs = first_reg.size
-    out: dict[str, object] = {}
-    if scenario in FALSE_KINDS:
-        out["false_rollback_rate"] = float((first_reg != NEVER).mean())
     reg_first = first_reg if first_pass is None else np.where(first_reg <= first_pass, first_reg, NEVER)
     hit = reg_first[reg_first != NEVER] + 1
-    out["rollback_rate"] = float(hit.size / runs)
-    out["median_ticks_to_rollback"] = float(np.median(hit)) if hit.size else None
-    out["rollback_within_10_rate"] = float((hit <= 10).sum() / runs)
-    if first_pass is not None:
-        pas = np.where(first_pass < first_reg, first_pass, NEVER)
-        ph = pas[pas != NEVER] + 1
-        out["pass_rate"] = float(ph.size / runs)
-        out["median_ticks_to_pass"] = float(np.median(ph)) if ph.size else None
-        out["undecided_rate"] = float(((first_reg == NEVER) & (first_pass == NEVER)).mean())
+    out: dict[str, object] = {"rolled_back": float(hit.size / runs),
+                              "median_reports_to_rollback": float(np.median(hit)) if hit.size else None}
+    if expected == PASS:
+        out["false_rollback"] = float((first_reg != NEVER).mean())
+    if first_pass is None:  # a judge that never passes: promoted = never regressed by the deadline
+        out["promoted"] = float((first_reg == NEVER).mean())
+        return out
+    pas = np.where(first_pass < first_reg, first_pass, NEVER)
+    ph = pas[pas != NEVER] + 1
+    out["promoted"] = float(ph.size / runs)
+    out["median_ticks_to_pass"] = float(np.median(ph)) if ph.size else None
+    out["undecided"] = float(((first_reg == NEVER) & (first_pass == NEVER)).mean())
     return out
 
 
 def simulate(cfg: SimConfig) -> dict[str, object]:
-    """Run every (nodes, scenario) row; JSON-safe dict with ``config``, ``rows``, ``elapsed_s``, ``cpu_s``."""
+    """Every (class, nodes) row; JSON-safe dict with ``config``, ``rows``, ``elapsed_s``, ``cpu_s``."""
     start, cpu0 = time.perf_counter(), time.process_time()
-    nc = NOISE_CLASSES[cfg.noise]
-    noise = FamilyNoise(nc, cfg.cells, cfg.seed)
-    weights = traffic_weights(cfg.cells)
-    layout = metric_layout(cfg.cells, cfg.margin)
+    layout = metric_layout(cfg.cells, cfg)
     rows = []
-    for k in cfg.nodes:
-        for scen in cfg.scenarios:
-            rng = np.random.default_rng([cfg.seed, k, SCENARIOS.index(scen), 17])
-            eff = cell_effects(scen, cfg.cells)
-            chunk = max(1, cfg.elements // ((cfg.cells + 2) * cfg.ticks * k))
-            parts: dict[str, list[np.ndarray]] = {"cs_r": [], "cs_p": [], "t_r": [], "t_p": [], "mw_r": []}
+    for name in cfg.classes:
+        cls = CLASSES[name]
+        gen = Generator(cls, cfg)
+        for k in cfg.nodes:
+            rng = np.random.default_rng([cfg.seed, k, list(CLASSES).index(name), 17])
+            chunk = max(1, cfg.elements // (len(layout) * cfg.ticks * k))
+            parts: dict[str, list[np.ndarray]] = {"j_r": [], "j_p": [], "t_r": [], "t_p": [], "mw": []}
             done = 0
             while done < cfg.runs:
                 r = min(chunk, cfg.runs - done)
-                rep = noise.draw(rng, runs=r, ticks=cfg.ticks, nodes=k, cell_effect=eff, weights=weights)
-                series = family_series(rep.cells, rep.e2e, weights)
-                a, b = judge_codes(series, k, layout, cfg.alpha, cfg.min_samples)
-                parts["cs_r"].append(a)
-                parts["cs_p"].append(b)
+                rep = gen.draw(rng, r, k)
+                a, b = judge_codes(rep.series, k, layout, cfg.alpha, cfg.min_samples)
+                parts["j_r"].append(a)
+                parts["j_p"].append(b)
                 if cfg.baselines:
-                    a, b = ttest_codes(series, k, layout, cfg.alpha, cfg.min_samples)
+                    a, b = ttest_codes(rep.series, k, layout, cfg.alpha, cfg.min_samples)
                     parts["t_r"].append(a)
                     parts["t_p"].append(b)
-                    lv = _arm_levels(rng, r, cfg.ticks, k, series.shape[1])
-                    parts["mw_r"].append(mannwhitney_first(series, lv, k, layout, cfg.alpha, cfg.min_samples))
+                    parts["mw"].append(mannwhitney_first(rep, k, layout, cfg.alpha, cfg.min_samples))
                 done += r
             cat = {key: np.concatenate(v) for key, v in parts.items() if v}
-            row: dict[str, object] = {"nodes": k, "scenario": scen,
-                                      "judge": _summary(cat["cs_r"], cat["cs_p"], scen, cfg.ticks)}
+            row: dict[str, object] = {"class": name, "expected": cls.expected, "nodes": k,
+                                      "judge": _summary(cat["j_r"], cat["j_p"], cls.expected)}
             if cfg.baselines:
-                row["ttest"] = _summary(cat["t_r"], cat["t_p"], scen, cfg.ticks)
-                row["mannwhitney"] = _summary(cat["mw_r"], None, scen, cfg.ticks)
+                row["ttest"] = _summary(cat["t_r"], cat["t_p"], cls.expected)
+                row["mannwhitney"] = _summary(cat["mw"], None, cls.expected)
             rows.append(row)
-    config = {"runs": cfg.runs, "seed": cfg.seed, "noise": nc.as_dict(), "nodes": list(cfg.nodes),
-              "ticks": cfg.ticks, "cells": cfg.cells, "margin": cfg.margin, "alpha": cfg.alpha,
-              "min_samples": cfg.min_samples, "method": METHOD}
+    config = {"runs": cfg.runs, "seed": cfg.seed, "nodes": list(cfg.nodes), "ticks": cfg.ticks, "cells": cfg.cells,
+              "calls": cfg.calls, "margin": cfg.margin, "p99_margin": cfg.p99_margin, "e2e_margin": cfg.e2e_margin,
+              "alpha": cfg.alpha, "min_samples": cfg.min_samples, "method": METHOD,
+              "classes": {n: CLASSES[n].as_dict() for n in cfg.classes}}
     return {"config": config, "rows": rows, "elapsed_s": round(time.perf_counter() - start, 3),
             "cpu_s": round(time.process_time() - cpu0, 3)}
 

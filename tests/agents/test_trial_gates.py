@@ -34,7 +34,8 @@ PLAN = PlanSpec(steps=[STEP], latency_margin=0.25)  # the interpreter's noise: t
 @pytest.fixture(scope="module")
 def swiglu(tmp_path_factory: pytest.TempPathFactory) -> BuiltBundles:
     return build_test_bundles(tmp_path_factory.mktemp("swiglu"), (
-        "1.1.0", "1.1.1", "1.2.0-fault.rows", "1.2.0-fault.memory", "1.2.0-fault.launches", "1.2.0-fault.cell"),
+        "1.1.0", "1.1.1", "1.2.0-fault.rows", "1.2.0-fault.memory", "1.2.0-fault.launches", "1.2.0-fault.cell",
+        "1.2.0-fault.tail", "1.2.0-fault.spread", "1.2.0-fault.warmup"),
         ops=("swiglu",))
 
 
@@ -65,8 +66,7 @@ def judge(reports: list[TrialReport], repeat: int = 1) -> tuple[str, str, str | 
     more nodes (the confidence sequences need more samples than CI can afford interpreter trials for)."""
     sigs = [report_signals(r) for r in reports] * repeat
     nodes = [str(i % (3 * repeat)) for i in range(len(sigs))]
-    ev = StepEvidence(ok_reports=len(sigs), samples=[s["aggregate"] for s in sigs], node_ids=nodes,
-                      reports=list(zip(nodes, sigs, strict=True)))
+    ev = StepEvidence(ok_reports=len(sigs), reports=list(zip(nodes, sigs, strict=True)))
     row = RolloutStratum(rollout_id=7, stratum="s", baseline_bundle_id=1, state="progressing", step_index=0,
                          step_started_at=T0)
     d = decide(row, STEP, PLAN, T0 + dt.timedelta(seconds=10), hard=None, ev=ev, canaries=1)
@@ -132,12 +132,29 @@ def test_one_cell_latency_regression_is_named(swiglu: BuiltBundles, node: NodeIn
     assert all(r.outcome == "ok" for r in reports), [r.detail for r in reports]
     assert all(r.resources and all(c.candidate_launches == c.stable_launches for c in r.resources) for r in reports)
     margin = math.log1p(PLAN.latency_margin)
-    sigs = [report_signals(r)["cells"] for r in reports]
-    assert all(c["swiglu@1"] > 3 * margin for c in sigs), sigs  # every report: the one cell far past the margin
+    sigs = [report_signals(r).cells for r in reports]
+    assert all(c["swiglu@1"].mean > 3 * margin for c in sigs), sigs  # every report: the one cell far past the margin
     assert judge(reports)[0] == "hold"  # three samples are not yet evidence
     decision, gate, metric, reason = judge(reports, repeat=8)
-    assert (decision, gate, metric) == ("rollback", "latency", "latency:swiglu@1"), reason
-    assert reason.startswith("regression: swiglu at 1 token: +")
+    assert (decision, gate, metric) == ("rollback", "latency", "latency:swiglu@1:mean"), reason
+    assert reason.startswith("regression: swiglu at 1 token, mean: +")
+
+
+@pytest.mark.parametrize(("fixture", "stats"), [("tail", ("p99",)), ("spread", ("mean", "p99")),
+                                                ("warmup", ("mean", "p99"))])
+def test_tail_spread_and_warmup_roll_back_on_the_statistic_they_move(swiglu: BuiltBundles, node: NodeInventory,
+                                                                     tmp_path: Path, fixture: str,
+                                                                     stats: tuple[str, ...]) -> None:
+    """Issue 25's candidates the old estimator (fastest quarter of each arm's medians) let through: a slow tail
+    (mean +15-20% under the CPU plan's 25% margin: the p99 decides), a spread-out run time and a slowdown after
+    the first calls (mean and p99 both past their margins). Each report times individual calls of both arms."""
+    reports = [trial(swiglu, node, tmp_path, f"1.2.0-fault.{fixture}", key=f"n1:{fixture}-{i:04d}") for i in range(3)]
+    assert all(r.outcome == "ok" for r in reports), [r.detail for r in reports]
+    cells = {(c.op, c.tokens): c for c in reports[0].cells}
+    assert cells and all(c.stable.n == c.candidate.n >= 12 for c in cells.values())
+    decision, gate, metric, reason = judge(reports, repeat=8)
+    assert (decision, gate) == ("rollback", "latency") and metric is not None, reason
+    assert metric.startswith("latency:swiglu@") and metric.rsplit(":", 1)[1] in stats, reason
 
 
 def test_identical_candidate_breaks_no_gate(swiglu: BuiltBundles, node: NodeInventory, tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_repeat_trial_skips_only_the_deterministic_checks(bundles: BuiltBundles,
     assert second.outcome == "ok", second.detail
     assert kinds(second) == {"fuzz"}  # fresh random shapes and inputs every trial
     assert "golden, edge and production checks not repeated" in second.detail
-    assert second.latency and second.resources  # latency, memory and launches are measured every trial
+    assert second.cells and second.resources  # latency, memory and launches are measured every trial
     # another stable version is another pair: everything runs again
     other = trial(bundles, node, loader, "1.1.0", "1.1.0", "n1:memo-0003")
     assert other.outcome == "ok", other.detail
@@ -67,7 +67,7 @@ def test_failing_golden_vectors_end_the_numerics(bundles: BuiltBundles, node: No
     rep = trial(bundles, node, tmp_path / "loader", "1.2.0-fault.drift", "1.0.0", "n1:drift-0001")
     assert rep.outcome == "numeric_error", rep.detail
     assert kinds(rep) <= {"golden", "stable_golden"} and any(not c.within_tolerance for c in rep.numerics)
-    assert rep.latency == [] and rep.resources == []
+    assert rep.cells == [] and rep.resources == []
     # a failed pair is never recorded as passed: the next trial checks everything again
     again = trial(bundles, node, tmp_path / "loader", "1.2.0-fault.drift", "1.0.0", "n1:drift-0002")
     assert again.outcome == "numeric_error" and "not repeated" not in again.detail

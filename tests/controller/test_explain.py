@@ -58,17 +58,21 @@ def test_explain_shows_every_metric_and_the_deciding_one(ctl: ControllerProcess,
         assert (s["decision"], s["gate"], s["deciding_metric"]) == ("rollback", "launches", "launches:bias_gelu@1")
         assert s["at"] and "launches per call bias_gelu@1: 2 vs stable 1" in s["reason"]
         m = {x["metric"]: x for x in s["metrics"]}
-        assert set(m) >= {"latency:bias_gelu@8", "latency:aggregate", "memory:bias_gelu@1", "launches:bias_gelu@1",
+        assert set(m) >= {"latency:bias_gelu@8:mean", "latency:bias_gelu@8:p99", "latency:aggregate:mean",
+                          "latency:aggregate:p99", "memory:bias_gelu@1", "launches:bias_gelu@1",
                           "launches:bias_gelu@8", "numeric"}
         assert m["launches:bias_gelu@1"] == {"metric": "launches:bias_gelu@1", "kind": "launches", "unit": "count",
                                              "value": 2.0, "lower": None, "upper": 1.0, "margin": 0.0, "n": 1,
-                                             "decision": "regress", "deciding": True}
+                                             "decision": "regress", "deciding": True, "statistic": None,
+                                             "bound": None, "bound_side": None, "arms": None}
+        cell = m["latency:bias_gelu@8:p99"]
+        assert cell["statistic"] == "p99" and cell["bound_side"] == "upper" and cell["arms"]["stable"]["n"] >= 1
         assert m["memory:bias_gelu@1"]["decision"] == "pass" and m["memory:bias_gelu@1"]["unit"] == "ratio"
-        assert m["latency:aggregate"]["kind"] == "latency_aggregate" and m["latency:aggregate"]["n"] == 1
+        assert m["latency:aggregate:mean"]["kind"] == "latency_aggregate" and m["latency:aggregate:mean"]["n"] == 1
         assert [x["deciding"] for x in s["metrics"]].count(True) == 1
         assert s["history"] and s["history"][-1]["decision"] == "rollback"
         assert s["history"][-1]["metrics"]["launches:bias_gelu@1"] == {
-            "value": 2.0, "lower": None, "upper": 1.0, "margin": 0.0, "n": 1}
+            "value": 2.0, "lower": None, "upper": 1.0, "margin": 0.0, "n": 1, "bound": None, "bound_side": None}
         one = viewer.get(f"/v1/rollouts/{rid}/explain", params={"stratum": s["stratum"]}).json()
         assert one == doc
         r = viewer.get(f"/v1/rollouts/{rid}/explain", params={"stratum": "sm_00/none"})

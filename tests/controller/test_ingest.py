@@ -14,6 +14,7 @@ from controller.db.models import Report, RolloutStratum
 from controller.errors import Invalid
 from controller.ingest import ingest_reports
 from controller.rollouts import get_rollout, start_rollout
+from controller.signals import ReportSignals
 from kernelctl import wire
 from tests.controller.enginekit import T0, Kit
 
@@ -72,7 +73,8 @@ def test_log_ratio_median_and_detail(kit: Kit, setup) -> None:
     assert _ingest(kit, "h-000", [rep]) == (1, 0)
     with kit.tx() as s:
         r = s.scalar(select(Report))
-        assert r.latency_log_ratio == pytest.approx(math.log(1.1)) and r.n_pairs == 3
+        # an older agent's rounds: the ratio of the mean latencies (issue 25), no round discarded
+        assert r.latency_log_ratio == pytest.approx(math.log(3.5 / 3)) and r.n_pairs == 3
         assert r.outcome == "ok" and r.peak_memory_bytes == 123456 and r.stratum == "sm_90/drv550/triton3.6.0"
         assert r.detail["numerics"]["checks"] == 1 and r.detail["e2e"] == {"stable_s": 0.01, "candidate_s": 0.011}
         assert r.detail["text"] == "fine"
@@ -157,10 +159,17 @@ def test_signals_per_cell_weighted_aggregate_e2e_memory_launches(kit: Kit, setup
     with kit.tx() as s:
         rows = {r.idempotency_key: r for r in s.scalars(select(Report))}
     sig = rows["signals-1"].signals
-    assert sig["cells"] == {"swiglu@1": pytest.approx(math.log(2)), "swiglu@64": 0.0}
-    assert sig["aggregate"] == pytest.approx(3 * math.log(2) / 4)  # traffic-weighted, 3:1
-    assert rows["signals-1"].latency_log_ratio == pytest.approx(sig["aggregate"])
-    assert sig["e2e"] == pytest.approx(math.log(1.02))  # the robust cell statistic: the slow outlier round is ignored
+    assert sig["version"] == 2 and {k: c["mean"] for k, c in sig["cells"].items()} == {
+        "swiglu@1": pytest.approx(math.log(7 / 3)), "swiglu@64": 0.0}
+    assert sig["cells"]["swiglu@1"]["p99"] == pytest.approx(math.log(3.0))
+    assert sig["cells"]["swiglu@1"]["candidate"] == {"n": 3, "mean_s": pytest.approx(7 / 3), "p50_s": 2.0, "p99_s": 3.0}
+    assert sig["aggregate"]["mean"] == pytest.approx(math.log(2.0))  # time per step, traffic-weighted 3:1
+    assert rows["signals-1"].latency_log_ratio == pytest.approx(sig["aggregate"]["mean"])
+    assert sig["e2e"]["mean"] == pytest.approx(math.log(1.18))  # the slow round counts: users pay for it
     assert sig["memory"] == {"swiglu@1": [100, 400]} and sig["launches"] == {"swiglu@1": [1, 2]}
     assert sig["free_memory_bytes"] == 10**9 and sig["numeric"]["checks"] == 1
     assert rows["signals-2"].signals is None  # a failed trial contributes no samples
+    # a document stored before issue 25 is still read, for what it was (shown, not judged as a mean)
+    old = ReportSignals.from_stored({"cells": {"swiglu@1": 0.1}, "aggregate": 0.05, "e2e": 0.01, "numeric": sig["numeric"]})
+    assert old.cells == {} and old.legacy_cells == {"swiglu@1": 0.1} and old.legacy_aggregate == 0.05
+    assert old.numeric is not None and old.numeric.checks == 1

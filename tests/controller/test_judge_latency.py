@@ -25,7 +25,7 @@ def test_aa_with_few_samples_holds() -> None:
     v = judge_latency(_noise(2, 4, 0.0))
     assert v.decision == "hold" and "too few samples: 4 < min_samples 5" in v.reason
     v = judge_latency(_noise(3, 12, 0.0))
-    assert v.decision == "hold" and v.lower < v.margin < v.upper
+    assert v.decision == "hold" and (v.lower is None or v.lower < v.margin) and (v.upper is None or v.margin < v.upper)
 
 
 def test_zero_effect_eventually_passes() -> None:

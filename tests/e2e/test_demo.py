@@ -1,4 +1,4 @@
-"""The README's main job end to end: `kernelctl demo` promotes 1.1.0 and rolls back the drift fault.
+"""The README's main job end to end: `kernelctl demo` promotes the identical 1.1.1 and rolls back the drift fault.
 
 Real processes throughout (controller on loopback, six agents whose kernels run through Triton's
 interpreter, SQLite); the test reads the demo's JSON summary and then the changelog it kept.
@@ -64,25 +64,25 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
     assert proc.returncode == 0, (summary.get("error"), err[-3000:])
     assert summary["ok"] is True
     states = {r["bundle"]: r["state"] for r in summary["rollouts"]}
-    assert states == {"llm-fused@1.0.0": "promoted", "llm-fused@1.1.0": "promoted",
+    assert states == {"llm-fused@1.1.0": "promoted", "llm-fused@1.1.1": "promoted",
                       "llm-fused@1.2.0-fault.drift": "rolled_back"}
     fault = next(r for r in summary["rollouts"] if r["bundle"].endswith("fault.drift"))
     assert any(v["decision"] == "rollback" and v["gate"] == "numeric" for v in fault["verdicts"]), fault
     assert fault["back_to_stable_seconds"] is not None  # every canary switched back to stable
     assert fault["served_on"] == 0  # trial before serve: the drift fault never served on any node
-    candidate = next(r for r in summary["rollouts"] if r["bundle"].endswith("@1.1.0"))
+    candidate = next(r for r in summary["rollouts"] if r["bundle"].endswith("@1.1.1"))
     assert [v["decision"] for v in candidate["verdicts"]].count("promote") >= 1
     assert candidate["served_on"] >= 1
 
-    # the webhook got the promotion of 1.1.0 and the judge's rollback of the fault, with the gate
+    # the webhook got the promotion of 1.1.1 and the judge's rollback of the fault, with the gate
     got = {(b["kind"], b["bundle"]) for b in hook.bodies}
-    assert ("promoted", "llm-fused@1.1.0") in got and ("started", "llm-fused@1.2.0-fault.drift") in got, got
+    assert ("promoted", "llm-fused@1.1.1") in got and ("started", "llm-fused@1.2.0-fault.drift") in got, got
     rolled = [b for b in hook.bodies if b["kind"] == "rolled_back" and b["bundle"].endswith("fault.drift")]
     assert rolled, hook.bodies  # one per stratum the judge rolled back
     for rb in rolled:
         assert rb["gate"] == "numeric" and rb["reason"].startswith("judge:"), rb
         assert rb["evidence"]["gate"] == "numeric" and rb["stratum"] and "ROLLED BACK" in rb["text"]
-    assert {b["kind"] for b in hook.bodies if b["bundle"].endswith("@1.1.0")} >= {"started", "promoted"}
+    assert {b["kind"] for b in hook.bodies if b["bundle"].endswith("@1.1.1")} >= {"started", "promoted"}
     assert summary["notifications"] == {"delivered": len(hook.bodies), "failed": 0}
     assert all(r["path"].endswith("?token=demo-secret") for r in hook.requests)
     logs = "".join(p.read_text(errors="replace") for p in (keep / "logs").glob("*.log"))
@@ -95,8 +95,8 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
         revoked = s.scalar(select(Bundle.status).where(Bundle.version == "1.2.0-fault.drift"))
     engine.dispose()
     assert ("rollout.rolled_back", "llm-fused@1.2.0-fault.drift") in actions
-    assert ("rollout.promoted", "llm-fused@1.1.0") in actions
-    assert ("assignment.verified", "llm-fused@1.1.0") in actions  # canaries served it after their trial
+    assert ("rollout.promoted", "llm-fused@1.1.1") in actions
+    assert ("assignment.verified", "llm-fused@1.1.1") in actions  # canaries served it after their trial
     assert ("assignment.verified", "llm-fused@1.2.0-fault.drift") not in actions
     assert revoked == "revoked"
     leftover = subprocess.run(["pgrep", "-f", str(keep)], capture_output=True, text=True)
@@ -118,10 +118,10 @@ def test_demo_stops_on_a_paused_stratum_and_says_which(tmp_path: Path) -> None:
                 url = f"http://127.0.0.1:{port_file.read_text().strip()}"
                 with contextlib.suppress(httpx.HTTPError):
                     listed = httpx.get(f"{url}/v1/rollouts", headers={"Authorization": f"Bearer {operator}"}).json()
-                    rollout = next((r for r in listed if r["bundle"] == "llm-fused@1.1.0"
+                    rollout = next((r for r in listed if r["bundle"] == "llm-fused@1.1.1"
                                     and r["state"] == "progressing"), None)
             time.sleep(0.5)
-        assert rollout is not None, "the demo never started rolling out 1.1.0"
+        assert rollout is not None, "the demo never started rolling out 1.1.1"
         r = httpx.post(f"{url}/v1/rollouts/{rollout['id']}/pause", json={"reason": "e2e: an operator pauses it"},
                        headers={"Authorization": f"Bearer {operator}"}, timeout=30)
         assert r.status_code == 200, r.text
@@ -129,11 +129,11 @@ def test_demo_stops_on_a_paused_stratum_and_says_which(tmp_path: Path) -> None:
     summary = json.loads(out)
     assert proc.returncode == 1 and summary["ok"] is False
     error = summary["error"]
-    assert error.startswith(f"rollout {rollout['id']} (llm-fused@1.1.0), stratum sm_") and \
+    assert error.startswith(f"rollout {rollout['id']} (llm-fused@1.1.1), stratum sm_") and \
         error.endswith(" at step 1/2: paused: e2e: an operator pauses it"), error
     assert f"demo failed: {error}" in " ".join(err.split()), err[-2000:]
     states = {r["bundle"]: r["state"] for r in summary["rollouts"]}
-    assert states == {"llm-fused@1.0.0": "promoted", "llm-fused@1.1.0": "paused",
+    assert states == {"llm-fused@1.1.0": "promoted", "llm-fused@1.1.1": "paused",
                       "llm-fused@1.2.0-fault.drift": "not started"}
     assert "409" not in error
     leftover = subprocess.run(["pgrep", "-f", str(keep)], capture_output=True, text=True)

@@ -74,8 +74,8 @@ def test_samples_without_a_decision_end_the_rollout_as_inconclusive() -> None:
     assert check(watch, detail(stratum(S80, verdict=hold)), {S80: evidence(SAMPLE_BUDGET - 1, 1, 10)}) is None
     problem = check(watch, detail(stratum(S80, verdict=hold)), {S80: evidence(SAMPLE_BUDGET, 1, 10)})
     assert problem == (f"rollout 2 (llm-fused@1.1.0), stratum {S80} at step 1/2: inconclusive after "
-                       f"{SAMPLE_BUDGET} clean trial reports (the judge passed 1.1.0 after ~{EXPECTED_SAMPLES} in "
-                       "every measured run); the judge: hold (latency): latency:aggregate not yet within margin")
+                       f"{SAMPLE_BUDGET} clean trial reports (the judge passed the demo's candidate after "
+                       f"~{EXPECTED_SAMPLES} in every measured run); the judge: hold (latency): latency:aggregate not yet within margin")
 
 
 def test_the_plan_deadline_outlasts_the_evidence_budget() -> None:

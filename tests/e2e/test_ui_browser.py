@@ -222,10 +222,10 @@ def test_viewer_follows_a_running_rollout_and_cannot_promote(world: World, rollo
 
     # live: while the judge holds step 1 the plot gains points; then the judge advances and the page shows it
     def points() -> int:
-        plots = world.els('svg.kc-plot[data-kind="latency_aggregate"]')
+        plots = world.els('svg.kc-plot[data-kind="latency_aggregate"][data-metric$=":mean"]')
         return min((int(p.get_attribute("data-bounds")) for p in plots), default=0) if len(plots) == 2 else 0
 
-    first = wait_for("bounds plots with confidence bounds in both strata", lambda: points() >= 2 and points(), 30)
+    first = wait_for("bounds plots with the deciding bound in both strata", lambda: points() >= 2 and points(), 30)
     step0 = int(world.el("#rollout-step").get_attribute("data-step"))
     updates0 = int(world.el("#updated").get_attribute("data-updates"))
     wait_for("more verdicts in the plot", lambda: points() > first, 30)
@@ -237,16 +237,23 @@ def test_viewer_follows_a_running_rollout_and_cannot_promote(world: World, rollo
     wait_for("an advance decision marked in the plots",
              lambda: len(world.els('svg.kc-plot .kc-decision[data-decision="advance"]')) >= 2, 20)
     for svg in world.els('svg.kc-plot[data-kind="latency_aggregate"]'):
-        assert svg.find_elements(By.CSS_SELECTOR, "polygon.kc-band"), "no confidence band drawn"
+        # one-sided latency tests: the deciding bound as a line, no two-sided band (issue 27 item 7)
+        assert svg.find_elements(By.CSS_SELECTOR, "polyline.kc-deciding-bound"), "no deciding bound drawn"
+        assert not svg.find_elements(By.CSS_SELECTOR, "polygon.kc-band"), "a two-sided band on a one-sided test"
+        labels = [t.text for t in svg.find_elements(By.CSS_SELECTOR, ".kc-grid text") if t.text.endswith("%")]
+        assert labels and all(len(t.rstrip("%").lstrip("+-").replace(".", "")) <= 3 for t in labels), labels
         assert svg.find_elements(By.CSS_SELECTOR, "polyline.kc-estimate"), "no estimate line"
         assert svg.find_elements(By.CSS_SELECTOR, "polyline.kc-margin"), "no margin line"
-    margin = world.els('svg.kc-plot[data-kind="latency_aggregate"] .kc-margin-label')[0].text
+    margin = world.els('svg.kc-plot[data-kind="latency_aggregate"][data-metric$=":mean"] .kc-margin-label')[0].text
     want = PLAN_A["latency_margin"] * 100  # the judge's log margin, labelled as the percent it means
     assert margin.startswith("margin +") and abs(pct(margin.split()[-1]) - want) < 0.01, margin
     # the metrics table carries the judge's estimate, bounds and margin for the stratum
-    agg = world.els('svg.kc-plot[data-kind="latency_aggregate"]')[0].get_attribute("data-metric")
+    agg = world.els('svg.kc-plot[data-kind="latency_aggregate"][data-metric$=":mean"]')[0].get_attribute("data-metric")
     cells = world.els(f'.stratum-card tr[data-metric="{agg}"] td')
-    assert cells and abs(pct(cells[5].text) - want) < 0.01, [c.text for c in cells]
+    assert cells and abs(pct(cells[6].text) - want) < 0.01, [c.text for c in cells]
+    # a cell (folded while passing): both arms' mean and p99
+    cell = [td.get_attribute("textContent") for td in world.els('.stratum-card tr[data-metric="latency:bias_gelu@8:p99"] td')]
+    assert cell and "mean" in cell[3] and "p99" in cell[4], cell
     world.shot("rollout-viewer")
 
     # the API, not only the page, refuses a viewer's promote (same token, from the page's own context)

@@ -1,4 +1,4 @@
-"""Benchmark harness: timing, interleaved paired latency, launch counting, peak memory, bench_op."""
+"""Benchmark harness: timing, interleaved per-call latency, contended windows, launch counting, peak memory."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ import time
 import pytest
 
 from kernelpack.harness.bench import (
+    ArmTimes,
+    arm_summary,
     bench_op,
+    drop_contended,
+    interleaved_calls,
     launches_per_call,
     median_time,
-    paired_latency,
+    paired_calls,
     peak_memory_bytes,
 )
 from kernelpack.harness.numerics import HarnessError, make_generator
@@ -35,35 +39,48 @@ def test_median_time_measures_the_call():
     assert 0.004 <= slow < 0.1 and fast < 0.001
 
 
-def test_paired_latency_detects_slowed_candidate():
+def test_paired_calls_time_every_call_of_both_arms_interleaved():
     stable = (make_axpy(), {})
     slow = (make_axpy("slow"), {})
-    rounds = 5
-    pairs = paired_latency(stable, slow, "fp32", [{"n": 128}], device=DEVICE, rounds=rounds, seed=0)
-    assert [p.round for p in pairs] == list(range(rounds))
-    assert all(p.shape == {"n": 128} for p in pairs)
-    assert all(p.log_ratio == pytest.approx(math.log(p.candidate_s / p.stable_s)) for p in pairs)
-    assert sum(p.log_ratio > 0 for p in pairs) >= rounds - 1
-    assert sorted(p.log_ratio for p in pairs)[rounds // 2] > math.log(2.0)  # 5 launches vs 1
-    assert json.loads(json.dumps([dataclasses.asdict(p) for p in pairs]))[0]["shape"] == {"n": 128}
+    st, ca = paired_calls(stable, slow, "fp32", {"n": 128}, device=DEVICE, seed=0, windows=3, quads=2)
+    assert len(st.calls) == len(ca.calls) == 12 and len(st.windows) == len(ca.windows) == 3
+    assert math.log(arm_summary(ca)["mean_s"] / arm_summary(st)["mean_s"]) > math.log(2.0)  # 5 launches vs 1
+    s = arm_summary(st)
+    assert s["n"] == 12 and s["p50_s"] <= s["p99_s"] == max(st.calls) and len(s["windows_s"]) == 3
 
 
-def test_paired_latency_same_version_is_centred():
+def test_interleaving_is_abba_or_baab_at_random_and_a_budget_stops_early():
+    order: list[str] = []
+    a, b = interleaved_calls(lambda: order.append("a"), lambda: order.append("b"), device="cpu", windows=16, quads=2,
+                             warmup_calls=0, seed=3)
+    quads = ["".join(order[i:i + 4]) for i in range(0, len(order), 4)]
+    assert set(quads) == {"abba", "baab"} and len(a.calls) == len(b.calls) == 64  # both orders: no periodic arm
+    a, _ = interleaved_calls(lambda: time.sleep(0.002), lambda: None, device="cpu", windows=50, quads=1,
+                             warmup_calls=0, budget_s=0.001, min_windows=4)
+    assert len(a.windows) == 4
+
+
+def test_a_window_is_contended_only_when_both_arms_ran_slow_in_it():
+    st = ArmTimes([1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0], [1.0, 5.0, 1.0, 1.0])
+    ca = ArmTimes([2.0, 2.0, 9.0, 9.0, 2.0, 2.0, 2.0, 2.0], [2.0, 9.0, 2.0, 2.0])
+    s2, c2, dropped = drop_contended(st, ca)
+    assert dropped == 1 and s2.calls == [1.0] * 6 and c2.calls == [2.0] * 6 and c2.windows == [2.0] * 3
+    # a candidate slow in some windows: nothing dropped (its own slowness never hides) ...
+    _, c3, dropped = drop_contended(ArmTimes([1.0] * 8, [1.0] * 4), ArmTimes([1.0] * 6 + [9.0] * 2, [1, 1, 1, 9]))
+    assert dropped == 0 and c3.calls[-1] == 9.0
+    # ... nor stable slow alone: contention that hit one arm stays, as noise of either sign
+    _, _, dropped = drop_contended(st, ArmTimes([2.0] * 8, [2.0] * 4))
+    assert dropped == 0
+
+
+def test_paired_calls_rejects_bad_arguments():
     op = (make_axpy(), {})
-    pairs = paired_latency(op, op, "fp32", [{"n": 64}, {"n": 200}], device=DEVICE, rounds=4, seed=0)
-    assert len(pairs) == 8
-    ratios = sorted(p.log_ratio for p in pairs)
-    assert abs(ratios[len(ratios) // 2]) < math.log(1.5)
-
-
-def test_paired_latency_rejects_bad_arguments():
-    op = (make_axpy(), {})
-    with pytest.raises(HarnessError, match="rounds must be >= 1"):
-        paired_latency(op, op, "fp32", [{"n": 8}], device=DEVICE, rounds=0, seed=0)
+    with pytest.raises(HarnessError, match="windows and quads must be >= 1"):
+        paired_calls(op, op, "fp32", {"n": 8}, device=DEVICE, seed=0, windows=0, quads=1)
     other = make_axpy()
     other.name = "rope"
     with pytest.raises(HarnessError, match="cannot pair different ops"):
-        paired_latency(op, (other, {}), "fp32", [{"n": 8}], device=DEVICE, rounds=1, seed=0)
+        paired_calls(op, (other, {}), "fp32", {"n": 8}, device=DEVICE, seed=0, windows=1, quads=1)
 
 
 def _inputs(op, n=300):

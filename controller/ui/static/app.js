@@ -299,7 +299,11 @@ function failureBlock(f) {
 function metricPoints(ex, metric, unit) {
   return (ex.history || []).map((e) => {
     const m = (e.metrics || {})[metric] || {};
-    return {t: Date.parse(e.at), value: m.value ?? null, lower: m.lower ?? null, upper: m.upper ?? null,
+    // latency metrics (issue 25) carry the one bound that decides against the margin ("bound", "bound_side");
+    // their lower/upper are not plotted as a band (a side that refuted nothing has no bound)
+    const oneSided = m.bound_side !== undefined && m.bound_side !== null;
+    return {t: Date.parse(e.at), value: m.value ?? null, lower: oneSided ? null : m.lower ?? null,
+      upper: oneSided ? null : m.upper ?? null, bound: m.bound ?? null, boundSide: m.bound_side ?? null,
       margin: threshold(m.margin ?? null, unit), n: m.n ?? null, decision: e.decision, gate: e.gate,
       step: e.step_index};
   });
@@ -312,7 +316,7 @@ function stratumCard(detail, st, ex, nodes) {
   const byName = Object.fromEntries(metrics.map((m) => [m.metric, m]));
   const plots = [...plotted].filter((name) => {
     const kind = byName[name] ? byName[name].kind : "latency_cell";
-    return PLOTTED_KINDS.has(kind) && metricPoints(ex, name, (byName[name] || {}).unit).some((p) => isNum(p.value) || isNum(p.lower) || isNum(p.upper));
+    return PLOTTED_KINDS.has(kind) && metricPoints(ex, name, (byName[name] || {}).unit).some((p) => isNum(p.value) || isNum(p.lower) || isNum(p.upper) || isNum(p.bound));
   });
   const steps = detail.steps.length;
   return h("article", {class: "stratum-card", "data-stratum": st.stratum},
@@ -345,8 +349,10 @@ function fold(key, summary, content) {
 function plotFigure(name, m, ex) {
   return h("figure", {class: "plot"}, boundsPlot({metric: name, kind: m.kind || "", unit: m.unit || "log_ratio",
     points: metricPoints(ex, name, m.unit), deciding: Boolean(m.deciding)}),
-  h("figcaption", {}, `${name}${m.kind ? ` (${m.kind})` : ""}: estimate and confidence bounds at each verdict; ` +
-    "dashed red: the margin; vertical lines: decisions and step changes"));
+  h("figcaption", {}, `${name}${m.kind ? ` (${m.kind})` : ""}: estimate and ` +
+    (m.bound_side ? "the deciding one-sided bound (upper: must fall below the margin to pass; lower: above it to " +
+      "roll back)" : "confidence bounds") + " at each verdict; dashed red: the margin; vertical lines: decisions and " +
+    "step changes"));
 }
 
 const SEVERITY = {regress: 0, fail: 0, warn: 1, hold: 2, pass: 3};
@@ -372,13 +378,36 @@ function plotGroups(stratum, plots, byName, ex) {
   return out;
 }
 
+function fmtSeconds(x) {
+  if (!isNum(x)) return "-";
+  for (const [u, k] of [["s", 1], ["ms", 1e-3], ["µs", 1e-6]]) if (x >= k) return `${(x / k).toPrecision(3)} ${u}`;
+  return `${(x * 1e9).toPrecision(3)} ns`;
+}
+
+/** One arm of a latency metric in the latest report: mean and p99 (n calls). */
+function fmtArm(m, arm) {
+  const a = (m.arms || {})[arm];
+  const dropped = (m.arms || {}).contended_windows || 0;
+  return a ? `mean ${fmtSeconds(a.mean_s)} · p99 ${fmtSeconds(a.p99_s)} (n ${a.n}` +
+    `${dropped ? `; ${dropped} contended window${dropped === 1 ? "" : "s"} dropped` : ""})` : "-";
+}
+
+/** The bound that decides against the margin (latency), or what a resource metric compares against. */
+function fmtBound(m) {
+  if (m.kind === "launches") return isNum(m.upper) ? `${m.upper} (stable)` : "-";
+  if (m.kind === "memory") return isNum(m.upper) ? `max ${fmtUnit(m.upper, m.unit)}` : "-";
+  if (!m.bound_side) return "-";
+  return isNum(m.bound) ? `${m.bound_side} ${fmtUnit(m.bound, m.unit)}` : `${m.bound_side}: none yet`;
+}
+
 function metricsTable(rows) {
   return h("table", {class: "grid metrics"},
-    h("thead", {}, h("tr", {}, ["metric", "kind", "estimate", "lower", "upper", "margin", "n", "decision"].map((c) => h("th", {}, c)))),
+    h("thead", {}, h("tr", {}, ["metric", "kind", "estimate", "stable", "candidate", "deciding bound", "margin", "n",
+      "decision"].map((c) => h("th", {}, c)))),
     h("tbody", {}, rows.map((m) => h("tr", {class: m.deciding ? "deciding" : "", "data-metric": m.metric},
       h("td", {}, m.deciding ? "★ " : "", m.metric), h("td", {}, m.kind),
-      h("td", {}, fmtUnit(m.value, m.unit)), h("td", {}, fmtUnit(m.lower, m.unit)), h("td", {}, fmtUnit(m.upper, m.unit)),
-      h("td", {}, fmtMargin(m.margin, m.unit)), h("td", {}, String(m.n ?? "-")),
+      h("td", {}, fmtUnit(m.value, m.unit)), h("td", {}, fmtArm(m, "stable")), h("td", {}, fmtArm(m, "candidate")),
+      h("td", {}, fmtBound(m)), h("td", {}, fmtMargin(m.margin, m.unit)), h("td", {}, String(m.n ?? "-")),
       h("td", {}, h("span", {class: `badge d-${String(m.decision).replace(/[^a-z]/g, "")}`}, m.decision))))));
 }
 

@@ -1,9 +1,11 @@
-// The bounds plot: one judged metric over time. The shaded band is the confidence bounds [lower, upper] the
-// judge had at each verdict, the line its estimate, the dashed red line the margin, vertical lines the
-// decision points (advance, rollback, pause, promote) and step changes. Inline SVG, no library.
+// The bounds plot: one judged metric over time. The line is the estimate, the dashed red line the margin,
+// vertical lines the decision points (advance, rollback, pause, promote) and step changes. A latency metric
+// (issue 25) shows the one-sided bound that decides against the margin (thin line; the upper bound must fall
+// below the margin to pass, the lower bound must rise above it to roll back); a resource metric its range as a
+// shaded band [lower, upper]. Y ticks of a log-ratio are round percentages. Inline SVG, no library.
 //
-// points: [{t: ms since epoch, value, lower, upper, margin, n, decision, gate, step}] (oldest first; any of
-// value/lower/upper/margin may be null). Everything is drawn with createElementNS and text nodes.
+// points: [{t: ms since epoch, value, lower, upper, bound, boundSide, margin, n, decision, gate, step}] (oldest
+// first; any value may be null). Everything is drawn with createElementNS and text nodes.
 
 import {fmtUnit, isNum, s} from "./dom.js";
 
@@ -16,12 +18,20 @@ function niceStep(span, count) {
   return (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * mag;
 }
 
-function ticks(lo, hi, count) {
+function linearTicks(lo, hi, count) {
   if (!(hi > lo)) return [lo];
   const step = niceStep(hi - lo, count);
   const out = [];
   for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Math.abs(v) < step * 1e-9 ? 0 : v);
   return out;
+}
+
+/** Ticks at round values of what the label shows: percentages for a log-ratio (+5%, not +5.13%). */
+function ticks(lo, hi, count, unit) {
+  if (unit !== "log_ratio") return linearTicks(lo, hi, count).map((v) => [v, null]);
+  return linearTicks(Math.expm1(lo) * 100, Math.expm1(hi) * 100, count)
+    .filter((p) => p > -100)
+    .map((p) => [Math.log1p(p / 100), `${p > 0 ? "+" : ""}${Number(p.toPrecision(3))}%`]);
 }
 
 /** The y window: estimates, margin and zero always; bounds only as far as they stay readable. */
@@ -32,7 +42,7 @@ function yDomain(points, unit) {
   const bounds = [];
   for (const p of points) {
     for (const v of [p.value, p.margin]) if (isNum(v) && Math.abs(v) < OFF_SCALE) core.push(v);
-    for (const v of [p.lower, p.upper]) if (isNum(v) && Math.abs(v) < OFF_SCALE) bounds.push(v);
+    for (const v of [p.lower, p.upper, p.bound]) if (isNum(v) && Math.abs(v) < OFF_SCALE) bounds.push(v);
   }
   let lo = Math.min(...core), hi = Math.max(...core);
   const scale = Math.max(hi - lo, ...points.map((p) => (isNum(p.margin) ? Math.abs(p.margin) : 0)), 1e-6);
@@ -102,7 +112,7 @@ export function boundsPlot({metric, kind = "", unit, points, deciding = false}) 
     class: `kc-plot${deciding ? " deciding" : ""}`, viewBox: `0 0 ${W} ${H}`, role: "img",
     "aria-label": `${metric}: estimate and confidence bounds over time against the margin`,
     "data-metric": metric, "data-kind": kind, "data-points": pts.length,
-    "data-bounds": pts.filter((p) => isNum(p.lower) && isNum(p.upper)).length,
+    "data-bounds": pts.filter((p) => (isNum(p.lower) && isNum(p.upper)) || isNum(p.bound)).length,
   });
   svg.append(s("title", {}, `${metric}: estimate and confidence bounds over time against the margin`));
   svg.append(s("defs", {}, s("clipPath", {id: clipId},
@@ -110,9 +120,9 @@ export function boundsPlot({metric, kind = "", unit, points, deciding = false}) 
 
   // axes and grid
   const grid = s("g", {class: "kc-grid"});
-  for (const v of ticks(y0, y1, 5)) {
+  for (const [v, label] of ticks(y0, y1, 5, unit)) {
     grid.append(s("line", {x1: L, x2: W - R, y1: ys(v), y2: ys(v)}));
-    grid.append(s("text", {x: L - 6, y: ys(v) + 4, "text-anchor": "end"}, fmtUnit(v, unit)));
+    grid.append(s("text", {x: L - 6, y: ys(v) + 4, "text-anchor": "end"}, label ?? fmtUnit(v, unit)));
   }
   const xt = [t0, t0 + (t1 - t0) / 3, t0 + (2 * (t1 - t0)) / 3, t1];
   for (const t of xt) grid.append(s("text", {x: xs(t), y: H - 10, "text-anchor": "middle"}, timeLabel(t)));
@@ -125,13 +135,16 @@ export function boundsPlot({metric, kind = "", unit, points, deciding = false}) 
   area.append(...bands(pts, xs, ys));
   area.append(...polyline(pts, "upper", xs, ys, {class: "kc-bound"}));
   area.append(...polyline(pts, "lower", xs, ys, {class: "kc-bound"}));
+  area.append(...polyline(pts, "bound", xs, ys, {class: "kc-bound kc-deciding-bound"}));
   area.append(...polyline(pts, "margin", xs, ys, {class: "kc-margin"}));
   area.append(...polyline(pts, "value", xs, ys, {class: "kc-estimate"}));
   for (const p of pts) {
     if (!isNum(p.value)) continue;
     const c = s("circle", {class: "kc-point", cx: xs(p.t), cy: ys(p.value), r: 2.5});
+    const b = p.boundSide ? `${p.boundSide} bound ${isNum(p.bound) ? fmtUnit(p.bound, unit) : "none yet"}`
+      : `[${fmtUnit(p.lower, unit)}, ${fmtUnit(p.upper, unit)}]`;
     c.append(s("title", {}, `${timeLabel(p.t)}  ${p.decision || ""}  estimate ${fmtUnit(p.value, unit)}  ` +
-      `[${fmtUnit(p.lower, unit)}, ${fmtUnit(p.upper, unit)}]  margin ${fmtUnit(p.margin, unit)}  n=${p.n ?? "-"}`));
+      `${b}  margin ${fmtUnit(p.margin, unit)}  n=${p.n ?? "-"}`));
     area.append(c);
   }
   svg.append(area);
@@ -139,6 +152,7 @@ export function boundsPlot({metric, kind = "", unit, points, deciding = false}) 
   // decision points and step changes
   const marks = s("g", {class: "kc-marks"});
   let step = pts.length ? pts[0].step : null;
+  let lastLabelX = -Infinity, row = 0; // decision labels closer than 110 px drop one line so they never overlap
   for (const p of pts) {
     const x = xs(p.t);
     if (p.step !== null && p.step !== undefined && step !== null && p.step !== step) {
@@ -151,7 +165,9 @@ export function boundsPlot({metric, kind = "", unit, points, deciding = false}) 
       const g = s("g", {class: `kc-decision d-${String(p.decision).replace(/[^a-z_]/g, "")}`, "data-decision": p.decision});
       g.append(s("line", {x1: x, x2: x, y1: T, y2: H - B}));
       const nearRight = x > W - R - 110; // keep the label inside the plot: left of the line near the right edge
-      g.append(s("text", {x: nearRight ? x - 3 : x + 3, y: T + 11, "text-anchor": nearRight ? "end" : "start"},
+      row = Math.abs(x - lastLabelX) < 110 ? (row + 1) % 4 : 0;
+      lastLabelX = x;
+      g.append(s("text", {x: nearRight ? x - 3 : x + 3, y: T + 11 + 12 * row, "text-anchor": nearRight ? "end" : "start"},
         p.gate ? `${p.decision} (${p.gate})` : p.decision));
       marks.append(g);
     }
