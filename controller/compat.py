@@ -214,6 +214,8 @@ def compat_page(session: Session, *, bundle_name: str | None, after_key: tuple[s
         stmt = stmt.where(after((Bundle.name, Bundle.id), after_key))
     keys = [(name, bid) for name, bid in session.execute(stmt)]
     if not keys:
+        if bundle_name is not None and after_key is None:
+            raise NotFound(f"no bundle named {bundle_name!r} is registered (kernelctl bundle list)")
         return [], None
     rows = compat_matrix(session, bundle_name=bundle_name, bundle_ids=[bid for _n, bid in keys[:limit]])
     return rows, keys[limit - 1] if len(keys) > limit else None

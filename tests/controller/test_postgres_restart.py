@@ -95,8 +95,9 @@ class Agent:
             if d.get("trial"):
                 batch = [_report(d["trial"], self.name) for _ in range(2)]
                 rr = self.client.post("/v1/agents/reports", json={"node_name": self.name, "reports": batch})
-                if rr.status_code == 200:
-                    self.acked += [b["idempotency_key"] for b in batch]
+                if rr.status_code == 200:  # acknowledged: every key the reply does not refuse (a report that
+                    refused = rr.json().get("refused") or {}  # arrives after its rollout moved on is refused)
+                    self.acked += [b["idempotency_key"] for b in batch if b["idempotency_key"] not in refused]
         return 200
 
 

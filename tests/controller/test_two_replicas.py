@@ -62,6 +62,8 @@ def test_rollback_on_one_replica_wins_over_a_promote_queued_first_on_another(
             assert r.status_code == 201, r.text
             rid = r.json()["id"]
             _wait(lambda: op.get(f"/v1/rollouts/{rid}").json()["state"] == "progressing", "the rollout to begin")
+        with b.client("operator") as warm:  # replica B has served this token once (its first lookup is no part
+            assert warm.get(f"/v1/rollouts/{rid}").status_code == 200  # of the race under test)
         answers: dict[str, httpx.Response] = {}
 
         def call(ctl: ControllerProcess, who: str, path: str, body: dict) -> None:
