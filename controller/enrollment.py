@@ -96,11 +96,10 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
         if problem is not None:  # what the database would refuse, refused for this item only
             out[i] = Invalid(f"registration of {name} refused: {problem}")
         elif name in existing or name in fresh:
-            same_agent = it.key_hash is not None and name in existing and existing[name] is not None \
-                and hmac.compare_digest(existing[name], it.key_hash)
-            if it.new_only and not same_agent:
+            known = existing[name] if name in existing else items[fresh[name]].key_hash
+            if it.new_only and not _same_agent(known, it.key_hash):
                 out[i] = already_registered(name)
-            else:
+            else:  # the node's own token, or a retry of the same agent (in this batch or committed before)
                 one_by_one.append(i)
         else:
             fresh[name] = i
@@ -113,7 +112,9 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
             dialect.insert(Node).on_conflict_do_nothing(index_elements=["name"])
             .returning(Node.id, Node.name, sort_by_parameter_order=True), rows) if nid is not None}
         for name, i in fresh.items():
-            if name not in ids:
+            if name not in ids and items[i].key_hash is not None:
+                one_by_one.append(i)  # inserted meanwhile by another transaction: its key decides, below
+            elif name not in ids:
                 out[i] = Conflict(f"node {name} was registered concurrently; nothing was changed")
         created = {name: i for name, i in fresh.items() if name in ids}
         if created:
@@ -127,6 +128,11 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
     return [r if r is not None else Conflict("registration not processed") for r in out]
 
 
+def _same_agent(stored: str | None, key_hash: str | None) -> bool:
+    """The registration key proves the same agent registered the node (a retry whose reply was lost)."""
+    return stored is not None and key_hash is not None and hmac.compare_digest(stored, key_hash)
+
+
 def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
     return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
             "registration_key_hash": it.key_hash, **it.req.inventory.model_dump()}
@@ -137,6 +143,8 @@ def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registe
     node = session.scalar(select(Node).where(Node.name == it.req.node_name).with_for_update())
     if node is None:
         raise Conflict(f"node {it.req.node_name} was removed concurrently; retry")
+    if it.new_only and not _same_agent(node.registration_key_hash, it.key_hash):
+        raise already_registered(node.name)
     apply_inventory(session, node, it.req.inventory, actor=it.actor)
     node.last_heartbeat_at = now
     mark_active(session, node, actor=it.actor)

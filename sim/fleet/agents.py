@@ -218,6 +218,10 @@ class Fleet:
         hb = self.cfg.heartbeat_seconds
         r = await self.request(a, "heartbeat", "POST", "/v1/agents/heartbeat", a.token, a.heartbeat_body(hb),
                                timeout=hb + 60, gated=False, watch=True)
+        if r is not None and r.status_code == 401:  # its token was superseded: register again, as the agent does
+            a.token = None
+            await self.register(a)
+            return
         if r is None or r.status_code != 200:
             if r is not None and r.status_code in (429, 503):
                 await asyncio.sleep(retry_after(r, 2.0))

@@ -61,6 +61,16 @@ def test_a_retry_with_the_registration_key_gets_the_same_node_and_a_fresh_token(
         assert s.scalar(select(func.count()).select_from(Node)) == 1
 
 
+def test_a_retry_in_the_same_batch_as_its_lost_original_gets_the_same_node(kit: Kit) -> None:
+    """Under load the original (its agent timed out) and the retry can be committed in one batch."""
+    with kit.tx() as s:
+        first, again, other = register_many(s, [_reg("gpu-1", KEY), _reg("gpu-1", KEY), _reg("gpu-1", "y" * 40)])
+    assert isinstance(first, Registered) and isinstance(again, Registered) and isinstance(other, Conflict)
+    assert again.node_id == first.node_id
+    with kit.tx() as s:
+        assert authenticate(s, again.token).node == "gpu-1"  # the retry's token is the live one
+
+
 def test_a_row_that_does_not_fit_its_column_is_refused_alone(kit: Kit) -> None:
     items = [_reg(f"gpu-{i:02d}") for i in range(36)]
     items[17] = _reg("gpu-17", memory_total_mb=2**31)  # one past INTEGER's range
