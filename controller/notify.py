@@ -333,6 +333,7 @@ class Notifier:
         self.period = period
         self.settle = settle
         self._cursor: dict[str, int | None] = {t.id: None for t in targets}
+        self._since = utcnow()  # a target seen for the first time is subscribed at the head as of now
         self._locks = {t.id: threading.Lock() for t in targets}
         self._client = httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False,
                                     headers={"User-Agent": "kernelctl-notifier"})
@@ -346,14 +347,16 @@ class Notifier:
     def _load_cursor(self, target: Target) -> int:
         """The last event handled for ``target``, from its own changelog records. A target seen for the first
         time is subscribed at the head (one ``notify.subscribed`` event): older history is not replayed, and
-        a leader that takes over later resumes from there even if nothing was delivered yet."""
+        a leader that takes over later resumes from there even if nothing was delivered yet. The head is taken as
+        of this notifier's creation: an event committed after it (a rollback in the controller's first second,
+        before leadership or the first batch) is delivered."""
         with self.factory() as session, session.begin():
             last = session.scalar(select(Event).where(Event.action.in_((DELIVERED, FAILED, SUBSCRIBED)),
                                                       Event.subject == target.subject)
                                   .order_by(Event.id.desc()).limit(1))
             if last is not None and isinstance(last.payload.get("event_id"), int):
                 return int(last.payload["event_id"])
-            head = int(session.scalar(select(func.max(Event.id))) or 0)
+            head = int(session.scalar(select(func.max(Event.id)).where(Event.at <= self._since)) or 0)
             record_event(session, actor=ACTOR, action=SUBSCRIBED, subject=target.subject,
                          payload={"event_id": head, "target": target.shown, "target_id": target.id})
             return head
