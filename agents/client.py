@@ -36,6 +36,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from agents.trial_protocol import write_json_atomic
 from kernelctl.wire import (
     API_PREFIX,
     BundleRef,
@@ -120,17 +121,7 @@ def _detail(resp: httpx.Response) -> str:
 def _write_private(path: Path, doc: dict[str, str]) -> None:
     """Write ``doc`` as JSON to ``path``: mode 0600, atomically (a crash leaves the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, doc, mode=0o600)
 
 
 class TokenStore:

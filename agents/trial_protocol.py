@@ -142,11 +142,14 @@ class WorkerResult(_Model):
     seconds: dict[str, float] = Field(default_factory=dict)  # time spent per phase
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` via a temp file in the same directory and rename."""
+def write_json_atomic(path: Path, data: Any, *, mode: int | None = None) -> None:
+    """Write ``data`` as JSON to ``path`` via a temp file in the same directory and rename (``mode``: the
+    file's permissions, e.g. 0o600 for secrets, set before anything is written)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
             f.flush()
