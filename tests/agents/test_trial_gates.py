@@ -151,7 +151,10 @@ def test_tail_spread_and_warmup_roll_back_on_the_statistic_they_move(swiglu: Bui
     reports = [trial(swiglu, node, tmp_path, f"1.2.0-fault.{fixture}", key=f"n1:{fixture}-{i:04d}") for i in range(3)]
     assert all(r.outcome == "ok" for r in reports), [r.detail for r in reports]
     cells = {(c.op, c.tokens): c for c in reports[0].cells}
-    assert cells and all(c.stable.n == c.candidate.n >= 12 for c in cells.values())
+    # 6 windows of 2 calls per arm; a window both arms ran 1.5x slow in (the machine, not the kernel) is dropped
+    # from both arms, so n stays paired: at most one such window on a busy CI machine
+    assert cells and all(c.stable.n == c.candidate.n == 12 - 2 * c.contended_windows >= 10
+                         for c in cells.values()), cells
     decision, gate, metric, reason = judge(reports, repeat=8)
     assert (decision, gate) == ("rollback", "latency") and metric is not None, reason
     assert metric.startswith("latency:swiglu@") and metric.rsplit(":", 1)[1] in stats, reason
