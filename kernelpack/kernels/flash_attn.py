@@ -8,28 +8,52 @@ dtype before the P@V product (as FlashAttention does). Each program owns BLOCK_M
 and walks the key blocks left of the diagonal unmasked, then the diagonal blocks masked. The config's
 BLOCK_M / BLOCK_N are upper bounds: a sequence shorter than a tile gets max(16, next_power_of_2(seq)).
 
+Two code paths, chosen by the launch config's ``TMA`` flag (bundles pin it per arch): the portable pointer
+kernel (``TMA = 0``), and the Hopper kernel after Triton's attention tutorial (``TMA = 1``): tiles moved by
+tensor descriptors made on the device (TMA on sm_90; Triton lowers them to plain loads on older archs), the
+scale folded into one multiply-add with the running max, and with ``WARP_SPECIALIZE = 1`` the key loop split
+into producer and consumer warps (one masked loop: see the kernel). The descriptors' scratch comes from
+``triton.set_allocator`` (installed on first use in each thread, unless the caller set one).
+
 On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
 interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
-constexpr switches, the GPU path is a pipelined ``for`` loop over native-dtype tensor-core dots.
+constexpr switches, the GPU path is a pipelined ``for`` loop over native-dtype tensor-core dots. The
+interpreter runs tensor descriptors, so CI checks both paths' index math (tile bounds, GQA, clipping).
 Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 import kernelpack.kernels.spec as spec
 
 NAME = "flash_attn"
 LOG2E = 1.4426950408889634
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# switches between code paths (0 or 1): TMA selects the tensor-descriptor (Hopper) kernel, WARP_SPECIALIZE (TMA
+# only) Triton's warp specialisation of its key loop
+FLAGS = ("TMA", "WARP_SPECIALIZE")
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 0,
+                                  "WARP_SPECIALIZE": 0}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
-TUNING_SPACE: list[dict[str, int]] = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))]
+TUNING_SPACE: list[dict[str, int]] = [
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "WARP_SPECIALIZE": 0}
+    for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
+                       (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))
+] + [  # the Hopper path, from the attention tutorial's sm_90 space (BLOCK_M 128, BLOCK_N 64/128, 4/8 warps); every
+    # one fits the H100's 227 KiB of shared memory at head_dim 128 (compiled for sm_90 on the CPU; left out:
+    # 128x128 with 4 warps, 3 stages: 2 KiB of spills without WS, 257 KiB of shared memory with it); WS only
+    # with 4 warps (Triton 3.6 compiles it to the same code as without at 8)
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "WARP_SPECIALIZE": ws}
+    for m, n, w, s, ws in ((128, 128, 8, 3, 0), (128, 128, 8, 2, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0),
+                           (128, 64, 4, 3, 0), (64, 64, 4, 3, 0), (128, 128, 4, 2, 1), (128, 64, 4, 3, 1),
+                           (128, 64, 4, 4, 1))
+]
 
 
 @triton.jit
@@ -104,7 +128,110 @@ def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
     tl.store(o_ptr + qo_offs, o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < seq)
 
 
-_config = functools.partial(spec.launch_config, NAME, DEFAULT_CONFIG)  # validated launch config of a call
+@triton.jit
+def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                    MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    k = desc_k.load([start_n, 0])  # rows past seq read as zeros (the descriptor's bounds); masked below
+    if DOT_F32:  # noqa: SIM108 (kept as a constexpr branch for the Triton frontend)
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if MASKED:  # the diagonal: causal mask (a key past seq is past every stored query row)
+        qk = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        qk = qk - m_new[:, None]
+    else:  # left of the diagonal: the scale folded into one multiply-add with the running max
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    v = desc_v.load([start_n, 0])
+    if DOT_F32:
+        acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """The Hopper path: tiles moved by tensor descriptors (TMA on sm_90), one per (batch, head) and tensor,
+    made on the device (scratch from ``triton.set_allocator``); the descriptor's bounds are ``seq`` rows, so a
+    tile past the end reads zeros and its store is clipped. Same walk as ``_flash_attn_fwd``."""
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key blocks) query blocks first
+    base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM  # (batch, head) of q and o
+    kv_base = (tl.program_id(1) // group).to(tl.int64) * seq * HEAD_DIM  # its (batch, kv head): GQA
+    desc_q = tl.make_tensor_descriptor(q_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    desc_k = tl.make_tensor_descriptor(k_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(v_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    desc_o = tl.make_tensor_descriptor(o_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([start_m * BLOCK_M, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_hi = (start_m * BLOCK_M // BLOCK_N) * BLOCK_N  # key blocks entirely left of the diagonal
+    diag_hi = tl.minimum((start_m + 1) * BLOCK_M, seq)
+    # Triton 3.6's Hopper warp specialisation compiles a kernel with one key loop only (a second loop or a
+    # block after it fails in its NVGPUWarpSpecialization pass): with WARP_SPECIALIZE every key block is masked
+    if WARP_SPECIALIZE:
+        full_hi = 0
+    if INTERPRETED:
+        start_n = 0
+        while start_n < full_hi:
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                                            MASKED=False, DOT_F32=True)
+            start_n += BLOCK_N
+        while start_n < diag_hi:
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                                            MASKED=True, DOT_F32=True)
+            start_n += BLOCK_N
+    elif WARP_SPECIALIZE:
+        for start_n in tl.range(0, diag_hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                                            MASKED=True, DOT_F32=False)
+    else:
+        for start_n in tl.range(0, full_hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                                            MASKED=False, DOT_F32=False)
+        for start_n in tl.range(full_hi, diag_hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+                                            MASKED=True, DOT_F32=False)
+    o = acc / l_i[:, None]
+    desc_o.store([start_m * BLOCK_M, 0], o.to(o_ptr.dtype.element_ty))
+
+
+
+
+def _config(config: spec.LaunchConfig) -> dict[str, int]:
+    """The validated launch config of a call (WARP_SPECIALIZE only on the TMA path)."""
+    cfg = spec.launch_config(NAME, DEFAULT_CONFIG, config, flags=FLAGS)
+    if cfg["WARP_SPECIALIZE"] and not cfg["TMA"]:
+        raise ValueError(f"{NAME}: launch config WARP_SPECIALIZE=1 needs TMA=1 (the tensor-descriptor path)")
+    return cfg
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for the descriptors a TMA program makes on the device (Triton asks at each launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Triton's allocator is a context variable whose default refuses every request: install ``_scratch`` in
+    this context (thread) when nothing was set, and keep an allocator the caller set."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def shape_of(inputs: spec.Inputs) -> spec.Shape:
@@ -147,10 +274,19 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
     # BLOCK_M/BLOCK_N are upper bounds, capped at max(16, next_power_of_2(seq))
     cap = max(16, triton.next_power_of_2(s))
     bm, bn = min(cfg["BLOCK_M"], cap), min(cfg["BLOCK_N"], cap)
-    _flash_attn_fwd[(triton.cdiv(s, bm), b * h)](
-        q, k, v, o, s, LOG2E / d**0.5, h // k.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-        INTERPRETED=q.device.type == "cpu", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    grid = (triton.cdiv(s, bm), b * h)
+    args = (q, k, v, o, s, LOG2E / d**0.5, h // k.shape[1])
+    interpreted = q.device.type == "cpu"
+    # a descriptor's base must be 16-byte aligned: an input at an odd storage offset takes the pointer path
+    if cfg["TMA"] and all(t.data_ptr() % 16 == 0 for t in (q, k, v, o)):
+        if not interpreted:
+            _ensure_allocator()
+        _flash_attn_fwd_tma[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+                                  WARP_SPECIALIZE=bool(cfg["WARP_SPECIALIZE"]), INTERPRETED=interpreted,
+                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        _flash_attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _causal(s: int, device: torch.device) -> torch.Tensor:
@@ -196,15 +332,19 @@ def fuzz(rng: random.Random) -> spec.Shape:
 
 
 def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
-    """One specialization per supported head_dim (the GPU path: INTERPRETED=False)."""
+    """One specialization per supported head_dim of the config's GPU path (INTERPRETED=False): the pointer
+    kernel, or with TMA=1 the tensor-descriptor kernel."""
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32", "group": "i32",
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
-    return [spec.AotSpec(_flash_attn_fwd, sig,
-                    {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "INTERPRETED": False},
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for d in HEAD_DIMS]
-
+    fn, extra = _flash_attn_fwd, {}
+    if cfg["TMA"]:
+        fn, extra = _flash_attn_fwd_tma, {"WARP_SPECIALIZE": bool(cfg["WARP_SPECIALIZE"])}
+        sig = {**sig, "WARP_SPECIALIZE": "constexpr"}
+    return [spec.AotSpec(fn, sig, {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                                   "INTERPRETED": False, **extra},
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for d in HEAD_DIMS]
 
 HEAD_DIMS = (64, 128)
 DOMAIN = spec.Domain(

@@ -216,15 +216,19 @@ def first_tensor(inputs: Mapping[str, Any]) -> torch.Tensor:
 
 
 def launch_config(op: str, defaults: Mapping[str, int], config: LaunchConfig,
-                  any_int: tuple[str, ...] = ("num_stages",)) -> dict[str, int]:
+                  any_int: tuple[str, ...] = ("num_stages",), flags: tuple[str, ...] = ()) -> dict[str, int]:
     """``defaults`` overridden by ``config``, validated: only known keys, every value a positive int and a power
-    of 2 (block sizes, warps) except the keys in ``any_int``. A bad value is a ``ValueError`` naming the op and
-    key."""
+    of 2 (block sizes, warps) except the keys in ``any_int`` (any positive int) and in ``flags`` (0 or 1: a
+    switch between code paths). A bad value is a ``ValueError`` naming the op and key."""
     unknown = set(config) - set(defaults)
     if unknown:
         raise ValueError(f"{op}: unknown launch config key(s) {sorted(unknown)}; known: {sorted(defaults)}")
     cfg = {**defaults, **config}
     for k, v in cfg.items():
+        if k in flags:
+            if not isinstance(v, int) or isinstance(v, bool) or v not in (0, 1):
+                raise ValueError(f"{op}: launch config {k}={v!r} must be 0 or 1")
+            continue
         pow2 = k not in any_int
         if not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
             raise ValueError(f"{op}: launch config {k}={v!r} must be a positive int{' power of 2' if pow2 else ''}")
