@@ -30,6 +30,17 @@ def test_launch_config_refuses_unknown_keys_and_bad_values() -> None:
     assert spec.launch_config("op", {**defaults, "R": 3}, {}, any_int=("num_stages", "R"))["R"] == 3
 
 
+def test_launch_config_flags_take_zero_or_one_only() -> None:
+    defaults = {"BLOCK": 64, "num_warps": 4, "FAST": 0}
+    assert spec.launch_config("op", defaults, {"FAST": 1}, flags=("FAST",))["FAST"] == 1
+    assert spec.launch_config("op", defaults, {}, flags=("FAST",))["FAST"] == 0
+    for bad in (2, -1, True, "1", 1.0):
+        with pytest.raises(ValueError, match=f"op: launch config FAST={bad!r} must be 0 or 1"):
+            spec.launch_config("op", defaults, {"FAST": bad}, flags=("FAST",))
+    with pytest.raises(ValueError, match="FAST=0 must be a positive int"):  # not a flag: a block size
+        spec.launch_config("op", defaults, {})
+
+
 def test_same_layout_and_check_outputs_name_the_tensors() -> None:
     a, b = torch.zeros(3, 8), torch.zeros(3, 8)
     assert spec.same_layout("op", {"a": a, "b": b}, ("tokens", "hidden")) == {"tokens": 3, "hidden": 8}
