@@ -164,3 +164,19 @@ def test_wins_tables_validate_and_stay_out_of_manifests_without_them(tmp_path: P
     plain = load_source(write(tmp_path, doc)).kernels[0]
     assert plain.wins is None
     assert set(plain.model_dump(mode="json")) == {"op", "source", "entry", "configs", "archs"}  # as before
+
+
+def test_1_4_0_is_1_3_0_with_flash_attn_on_the_tma_path_for_sm90() -> None:
+    """1.3.0 keeps the pointer kernel it was measured with; 1.4.0 changes only flash_attn's sm_90 config."""
+    from kernelpack.kernels import flash_attn
+
+    v13, v14 = load_source(BUNDLES / "1.3.0"), load_source(BUNDLES / "1.4.0")
+    assert v14.parent == "1.3.0" and [k.op for k in v13.kernels] == [k.op for k in v14.kernels]
+    for a, b in zip(v13.kernels, v14.kernels, strict=True):
+        for arch in v13.targets.archs:
+            if (a.op, arch) != ("flash_attn", "sm_90"):
+                assert a.config_for(arch) == b.config_for(arch), (a.op, arch)
+    old, new = ({**flash_attn.DEFAULT_CONFIG, **k.config_for("sm_90")} for v in (v13, v14)
+                for k in v.kernels if k.op == "flash_attn")
+    assert old["TMA"] == 0 and new["TMA"] == 1
+    assert new in flash_attn.TUNING_SPACE
