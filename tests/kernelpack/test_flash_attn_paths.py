@@ -1,7 +1,8 @@
 """flash_attn's two code paths (the ``TMA`` launch-config flag) on CPU through the Triton interpreter: the
 tensor-descriptor (Hopper) kernel against the float64 reference and against the pointer kernel, with tiles
-that cross the end of the sequence, GQA and the warp-specialised single loop; an unaligned input falls back to
-the pointer kernel; config validation; and the Hopper kernel compiled for sm_90 in a child process without the
+that cross the end of the sequence, GQA and the warp-specialised single loop; the harness's edge values and
+scores far beyond an additive mask; an unaligned input falls back to the pointer kernel; config validation;
+and the Hopper kernel compiled for sm_90 in a child process without the
 interpreter (TMA copies and wgmma in its PTX, setmaxnreg with warp specialisation, within the H100's shared
 memory)."""
 
@@ -73,6 +74,30 @@ def test_unaligned_input_takes_the_pointer_path(monkeypatch: pytest.MonkeyPatch)
     assert spy.grids == []
     assert torch.equal(out, _run(inputs, TMA_CONFIGS[0]))
     assert len(spy.grids) == 1
+
+
+@pytest.mark.parametrize("cfg", [TMA_CONFIGS[0], TMA_CONFIGS[2]])
+def test_tma_path_passes_every_edge_case(cfg: dict) -> None:
+    """The harness's edge values (zeros, constants, near the declared magnitude cap, subnormals, the op's own),
+    the pointer kernel as the stable version to compare with."""
+    from kernelpack.harness.edge import check_edge
+
+    for dtype in fa.OP.domain.dtypes:
+        outs = check_edge((fa.OP, cfg), (fa.OP, {}), dtype, SHAPES[0], device=DEV)
+        bad = [(o.case, o.result.output, o.result.nonfinite) for o in outs if not o.result.passed]
+        assert outs and not bad, (dtype, bad)
+
+
+@pytest.mark.parametrize("cfg", [{}, *TMA_CONFIGS])
+def test_mask_holds_for_scores_far_beyond_any_additive_bias(cfg: dict) -> None:
+    """Scores of ~1e7 (inside the declared |x| <= 1e18): a masked key must get no weight (an additive -1e6
+    mask, as the tutorial writes it, would let future keys in)."""
+    tol = fa.OP.tolerances["bf16"]
+    inputs = fa.OP.make_inputs(SHAPES[0], torch.bfloat16, DEV, torch.Generator().manual_seed(77))
+    inputs = {k: (v * 3000 if k in ("q", "k") else v) for k, v in inputs.items()}
+    out, ref = _run(inputs, cfg), fa.OP.reference(inputs)[0]
+    err = (out.double() - ref).abs()
+    assert bool((err <= tol.atol + tol.rtol * ref.abs()).all()), float(err.max())
 
 
 def test_path_flags_are_validated() -> None:
