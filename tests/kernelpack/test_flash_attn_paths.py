@@ -76,7 +76,7 @@ def test_unaligned_input_takes_the_pointer_path(monkeypatch: pytest.MonkeyPatch)
     assert len(spy.grids) == 1
 
 
-@pytest.mark.parametrize("cfg", [TMA_CONFIGS[0], TMA_CONFIGS[2]])
+@pytest.mark.parametrize("cfg", [TMA_CONFIGS[0]])
 def test_tma_path_passes_every_edge_case(cfg: dict) -> None:
     """The harness's edge values (zeros, constants, near the declared magnitude cap, subnormals, the op's own),
     the pointer kernel as the stable version to compare with."""
