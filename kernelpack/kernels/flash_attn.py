@@ -12,8 +12,10 @@ Two code paths, chosen by the launch config's ``TMA`` flag (bundles pin it per a
 kernel (``TMA = 0``), and the Hopper kernel after Triton's attention tutorial (``TMA = 1``): tiles moved by
 tensor descriptors made on the device (TMA on sm_90; Triton lowers them to plain loads on older archs), the
 scale folded into one multiply-add with the running max, and with ``WARP_SPECIALIZE = 1`` the key loop split
-into producer and consumer warps (one masked loop: see the kernel). The descriptors' scratch comes from
-``triton.set_allocator`` (installed on first use in each thread, unless the caller set one).
+into producer and consumer warps (one masked loop: see the kernel). The descriptors are made on the device,
+one per (batch, head), their scratch from ``triton.set_allocator`` (installed on first use in each thread,
+unless the caller set one); with ``HOST_DESC = 1`` (no WS) the host makes one per tensor where the sequence
+fills the tiles (the prefill sizes), as the tutorial does on Hopper without WS.
 
 On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
 interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
@@ -30,29 +32,33 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kernelpack.kernels.spec as spec
 
 NAME = "flash_attn"
 LOG2E = 1.4426950408889634
-# switches between code paths (0 or 1): TMA selects the tensor-descriptor (Hopper) kernel, WARP_SPECIALIZE (TMA
-# only) Triton's warp specialisation of its key loop
-FLAGS = ("TMA", "WARP_SPECIALIZE")
+# switches between code paths (0 or 1): TMA selects the tensor-descriptor (Hopper) kernel; with it,
+# WARP_SPECIALIZE Triton's warp specialisation of its key loop, or HOST_DESC descriptors made on the host
+# (the tutorial's non-WS Hopper setup) where the sequence fills the tiles
+FLAGS = ("TMA", "WARP_SPECIALIZE", "HOST_DESC")
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 0,
-                                  "WARP_SPECIALIZE": 0}
+                                  "WARP_SPECIALIZE": 0, "HOST_DESC": 0}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = [
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "WARP_SPECIALIZE": 0}
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "WARP_SPECIALIZE": 0, "HOST_DESC": 0}
     for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
                        (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))
 ] + [  # the Hopper path, from the attention tutorial's sm_90 space (BLOCK_M 128, BLOCK_N 64/128, 4/8 warps); every
     # one fits the H100's 227 KiB of shared memory at head_dim 128 (compiled for sm_90 on the CPU; left out:
     # 128x128 with 4 warps, 3 stages: 2 KiB of spills without WS, 257 KiB of shared memory with it); WS only
     # with 4 warps (Triton 3.6 compiles it to the same code as without at 8)
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "WARP_SPECIALIZE": ws}
-    for m, n, w, s, ws in ((128, 128, 8, 3, 0), (128, 128, 8, 2, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0),
-                           (128, 64, 4, 3, 0), (64, 64, 4, 3, 0), (128, 128, 4, 2, 1), (128, 64, 4, 3, 1),
-                           (128, 64, 4, 4, 1))
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "WARP_SPECIALIZE": ws,
+     "HOST_DESC": hd}
+    for m, n, w, s, ws, hd in ((128, 128, 8, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 64, 8, 3, 0, 0),
+                               (128, 64, 8, 4, 0, 0), (128, 64, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0),
+                               (128, 128, 4, 2, 1, 0), (128, 64, 4, 3, 1, 0), (128, 64, 4, 4, 1, 0),
+                               (128, 128, 8, 3, 0, 1), (128, 64, 8, 3, 0, 1), (128, 64, 4, 3, 0, 1))
 ]
 
 
@@ -129,9 +135,9 @@ def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
 
 
 @triton.jit
-def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                     MASKED: tl.constexpr, DOT_F32: tl.constexpr):
-    k = desc_k.load([start_n, 0])  # rows past seq read as zeros (the descriptor's bounds); masked below
+    k = desc_k.load([kv_row + start_n, 0])  # rows past seq: zeros (per-head bounds) or masked keys
     if DOT_F32:  # noqa: SIM108 (kept as a constexpr branch for the Triton frontend)
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
@@ -147,7 +153,7 @@ def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, q
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    v = desc_v.load([start_n, 0])
+    v = desc_v.load([kv_row + start_n, 0])
     if DOT_F32:
         acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
     else:
@@ -158,24 +164,33 @@ def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, q
 @triton.jit
 def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """The Hopper path: tiles moved by tensor descriptors (TMA on sm_90), one per (batch, head) and tensor,
-    made on the device (scratch from ``triton.set_allocator``); the descriptor's bounds are ``seq`` rows, so a
-    tile past the end reads zeros and its store is clipped. Same walk as ``_flash_attn_fwd``."""
+                        INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HOST_DESC: tl.constexpr):
+    """The Hopper path: tiles moved by tensor descriptors (TMA on sm_90). Made on the device, one per
+    (batch, head) and tensor (scratch from ``triton.set_allocator``), bounded at ``seq`` rows: a tile past the
+    end reads zeros and its store is clipped. With HOST_DESC the host made one per tensor over all rows (no
+    per-program setup; ``run`` takes it only when ``seq`` is a multiple of both tiles, so no tile crosses a
+    head). Same walk as ``_flash_attn_fwd``."""
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key blocks) query blocks first
-    base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM  # (batch, head) of q and o
-    kv_base = (tl.program_id(1) // group).to(tl.int64) * seq * HEAD_DIM  # its (batch, kv head): GQA
-    desc_q = tl.make_tensor_descriptor(q_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    desc_k = tl.make_tensor_descriptor(k_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(v_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    desc_o = tl.make_tensor_descriptor(o_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
+    if HOST_DESC:  # descriptors over all rows (batch * heads * seq, head_dim) from the host; seq fills the tiles
+        desc_q, desc_k, desc_v, desc_o = q_ptr, k_ptr, v_ptr, o_ptr
+        q_row = tl.program_id(1) * seq  # its (batch, head)
+        kv_row = (tl.program_id(1) // group) * seq  # its (batch, kv head): GQA
+    else:  # one descriptor per (batch, head) and tensor, made here
+        base = tl.program_id(1).to(tl.int64) * seq * HEAD_DIM  # (batch, head) of q and o
+        kv_base = (tl.program_id(1) // group).to(tl.int64) * seq * HEAD_DIM  # its (batch, kv head): GQA
+        desc_q = tl.make_tensor_descriptor(q_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        desc_k = tl.make_tensor_descriptor(k_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        desc_v = tl.make_tensor_descriptor(v_ptr + kv_base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        desc_o = tl.make_tensor_descriptor(o_ptr + base, shape=[seq, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        q_row = 0
+        kv_row = 0
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    q = desc_q.load([start_m * BLOCK_M, 0])
+    q = desc_q.load([q_row + start_m * BLOCK_M, 0])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -188,28 +203,28 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
     if INTERPRETED:
         start_n = 0
         while start_n < full_hi:
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=False, DOT_F32=True)
             start_n += BLOCK_N
         while start_n < diag_hi:
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=True, DOT_F32=True)
             start_n += BLOCK_N
     elif WARP_SPECIALIZE:
         for start_n in tl.range(0, diag_hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=True, DOT_F32=False)
     else:
         for start_n in tl.range(0, full_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=False, DOT_F32=False)
         for start_n in tl.range(full_hi, diag_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, start_n, offs_m, offs_n, qk_scale,
+            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=True, DOT_F32=False)
     o = acc / l_i[:, None]
-    desc_o.store([start_m * BLOCK_M, 0], o.to(o_ptr.dtype.element_ty))
+    desc_o.store([q_row + start_m * BLOCK_M, 0], o.to(desc_o.dtype))
 
 
 
@@ -217,14 +232,23 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
 def _config(config: spec.LaunchConfig) -> dict[str, int]:
     """The validated launch config of a call (WARP_SPECIALIZE only on the TMA path)."""
     cfg = spec.launch_config(NAME, DEFAULT_CONFIG, config, flags=FLAGS)
-    if cfg["WARP_SPECIALIZE"] and not cfg["TMA"]:
-        raise ValueError(f"{NAME}: launch config WARP_SPECIALIZE=1 needs TMA=1 (the tensor-descriptor path)")
+    for flag in ("WARP_SPECIALIZE", "HOST_DESC"):
+        if cfg[flag] and not cfg["TMA"]:
+            raise ValueError(f"{NAME}: launch config {flag}=1 needs TMA=1 (the tensor-descriptor path)")
+    if cfg["WARP_SPECIALIZE"] and cfg["HOST_DESC"]:
+        raise ValueError(f"{NAME}: launch config WARP_SPECIALIZE=1 takes device-made descriptors (HOST_DESC=0)")
     return cfg
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for the descriptors a TMA program makes on the device (Triton asks at each launch)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor over all of ``t``'s rows ((batch * heads * seq, head_dim)), tiles of ``rows`` rows."""
+    flat = t.view(-1, t.shape[-1])
+    return TensorDescriptor.from_tensor(flat, [rows, t.shape[-1]])
 
 
 def _ensure_allocator() -> None:
@@ -279,11 +303,16 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
     interpreted = q.device.type == "cpu"
     # a descriptor's base must be 16-byte aligned: an input at an odd storage offset takes the pointer path
     if cfg["TMA"] and all(t.data_ptr() % 16 == 0 for t in (q, k, v, o)):
-        if not interpreted:
+        # host-made descriptors span every head's rows: only where no tile crosses a head (and row numbers,
+        # which TMA takes as int32, fit)
+        host = bool(cfg["HOST_DESC"]) and s % max(bm, bn) == 0 and b * h * s < 2**31
+        if host:
+            args = (_host_desc(q, bm), _host_desc(k, bn), _host_desc(v, bn), _host_desc(o, bm), *args[4:])
+        elif not interpreted:
             _ensure_allocator()
         _flash_attn_fwd_tma[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
                                   WARP_SPECIALIZE=bool(cfg["WARP_SPECIALIZE"]), INTERPRETED=interpreted,
-                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                  HOST_DESC=host, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         _flash_attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -340,11 +369,19 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr"}
     fn, extra = _flash_attn_fwd, {}
     if cfg["TMA"]:
-        fn, extra = _flash_attn_fwd_tma, {"WARP_SPECIALIZE": bool(cfg["WARP_SPECIALIZE"])}
-        sig = {**sig, "WARP_SPECIALIZE": "constexpr"}
-    return [spec.AotSpec(fn, sig, {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-                                   "INTERPRETED": False, **extra},
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for d in HEAD_DIMS]
+        fn = _flash_attn_fwd_tma
+        extra = {"WARP_SPECIALIZE": bool(cfg["WARP_SPECIALIZE"]), "HOST_DESC": bool(cfg["HOST_DESC"])}
+        sig = {**sig, "WARP_SPECIALIZE": "constexpr", "HOST_DESC": "constexpr"}
+    specs = []
+    for d in HEAD_DIMS:
+        s = dict(sig)
+        if cfg["TMA"] and cfg["HOST_DESC"]:
+            rows = {"q_ptr": cfg["BLOCK_M"], "k_ptr": cfg["BLOCK_N"], "v_ptr": cfg["BLOCK_N"], "o_ptr": cfg["BLOCK_M"]}
+            s.update({a: f"tensordesc<{dtype}[{r},{d}]>" for a, r in rows.items()})
+        specs.append(spec.AotSpec(fn, s, {"HEAD_DIM": d, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                                          "INTERPRETED": False, **extra},
+                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return specs
 
 HEAD_DIMS = (64, 128)
 DOMAIN = spec.Domain(

@@ -1,10 +1,9 @@
 """flash_attn's two code paths (the ``TMA`` launch-config flag) on CPU through the Triton interpreter: the
 tensor-descriptor (Hopper) kernel against the float64 reference and against the pointer kernel, with tiles
-that cross the end of the sequence, GQA and the warp-specialised single loop; the harness's edge values and
-scores far beyond an additive mask; an unaligned input falls back to the pointer kernel; config validation;
-and the Hopper kernel compiled for sm_90 in a child process without the
-interpreter (TMA copies and wgmma in its PTX, setmaxnreg with warp specialisation, within the H100's shared
-memory)."""
+that cross the end of the sequence, GQA, the warp-specialised single loop and host-made descriptors; the
+harness's edge values and scores far beyond an additive mask; an unaligned input falls back to the pointer
+kernel; config validation; and the Hopper kernel compiled for sm_90 in a child process without the interpreter
+(TMA copies and wgmma in its PTX, setmaxnreg with warp specialisation, within the H100's shared memory)."""
 
 from __future__ import annotations
 
@@ -20,21 +19,26 @@ from kernelpack.kernels.spec import DTYPES
 
 DEV = torch.device("cpu")
 SHAPES = ({"batch": 2, "heads": 4, "kv_heads": 2, "seq": 45, "head_dim": 64},
-          {"batch": 1, "heads": 2, "kv_heads": 1, "seq": 70, "head_dim": 128})
+          {"batch": 1, "heads": 2, "kv_heads": 1, "seq": 96, "head_dim": 128})
 # small tiles so that a sequence spans several query and key blocks and its last tiles cross the end
+# and with HOST_DESC host-made descriptors where the sequence fills the tiles (96 tokens), the device's where not
 TMA_CONFIGS = ({"TMA": 1, "BLOCK_M": 32, "BLOCK_N": 16}, {"TMA": 1, "BLOCK_M": 16, "BLOCK_N": 32},
-               {"TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 32, "BLOCK_N": 16})
+               {"TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 32, "BLOCK_N": 16},
+               {"TMA": 1, "HOST_DESC": 1, "BLOCK_M": 32, "BLOCK_N": 16})
 
 
 class _Spy:
-    """Records the grids a kernel is launched with (``kernel[grid](...)``)."""
+    """Records the grid and the HOST_DESC switch of each launch of a kernel (``kernel[grid](...)``)."""
 
     def __init__(self, kernel: object) -> None:
         self.kernel, self.grids = kernel, []
 
     def __getitem__(self, grid: tuple) -> object:
-        self.grids.append(grid)
-        return self.kernel[grid]
+        def launch(*args: object, **kwargs: object) -> object:
+            self.grids.append((*grid, kwargs["HOST_DESC"]))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 def _run(inputs: dict, cfg: dict) -> torch.Tensor:
@@ -59,7 +63,8 @@ def test_tma_path_matches_reference_and_pointer_path(dtype: str, cfg: dict, monk
         # the interpreter computes both kernels' arithmetic alike: any index slip shows as a difference
         pointer = _run(inputs, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]})
         assert torch.equal(out, pointer), f"{cfg} {shape}: TMA and pointer kernels differ"
-    assert spy.grids == [(2, 8), (3, 2)] if cfg["BLOCK_M"] == 32 else spy.grids == [(3, 8), (5, 2)]
+    host = "HOST_DESC" in cfg
+    assert spy.grids == ([(2, 8, False), (3, 2, host)] if cfg["BLOCK_M"] == 32 else [(3, 8, False), (6, 2, False)])
 
 
 def test_unaligned_input_takes_the_pointer_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +78,7 @@ def test_unaligned_input_takes_the_pointer_path(monkeypatch: pytest.MonkeyPatch)
     out = _run({**inputs, "q": q}, TMA_CONFIGS[0])
     assert spy.grids == []
     assert torch.equal(out, _run(inputs, TMA_CONFIGS[0]))
-    assert len(spy.grids) == 1
+    assert spy.grids == [(2, 8, False)]
 
 
 @pytest.mark.parametrize("cfg", [TMA_CONFIGS[0]])
@@ -106,6 +111,10 @@ def test_path_flags_are_validated() -> None:
         fa.OP(inputs, {"WARP_SPECIALIZE": 1})
     with pytest.raises(ValueError, match="TMA=2 must be 0 or 1"):
         fa.OP(inputs, {"TMA": 2})
+    with pytest.raises(ValueError, match="HOST_DESC=1 needs TMA=1"):
+        fa.OP(inputs, {"HOST_DESC": 1})
+    with pytest.raises(ValueError, match="WARP_SPECIALIZE=1 takes device-made descriptors"):
+        fa.OP(inputs, {"TMA": 1, "WARP_SPECIALIZE": 1, "HOST_DESC": 1})
     assert {c["TMA"] for c in fa.TUNING_SPACE} == {0, 1}
     assert all(c["num_warps"] == 4 for c in fa.TUNING_SPACE if c["WARP_SPECIALIZE"])
 
@@ -116,14 +125,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import kernelpack.kernels.flash_attn as fa
 for cfg in ({"TMA": 1, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-            {"TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
+            {"TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+            {"TMA": 1, "HOST_DESC": 1, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}):
     spec = fa.aot("bf16", cfg)[-1]
     assert spec.fn is fa._flash_attn_fwd_tma and spec.constexprs["HEAD_DIM"] == 128
     k = compile(ASTSource(spec.fn, signature=spec.signature, constexprs=spec.constexprs),
                 target=GPUTarget("cuda", 90, 32), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     ptx = k.asm["ptx"]
     print(cfg.get("WARP_SPECIALIZE", 0), ptx.count("cp.async.bulk.tensor"), ptx.count("wgmma.mma_async"),
-          ptx.count("setmaxnreg"), k.metadata.shared)
+          ptx.count("setmaxnreg"), k.metadata.shared, k.metadata.global_scratch_size)
 """
 
 
@@ -133,8 +143,9 @@ def test_hopper_kernel_compiles_for_sm90_with_tma_and_wgmma() -> None:
     r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [list(map(int, line.split())) for line in r.stdout.split("\n") if line.strip()]
-    assert len(rows) == 2, r.stdout
-    for ws, tma, wgmma, setmaxnreg, shared in rows:
+    assert len(rows) == 3, r.stdout
+    for i, (ws, tma, wgmma, setmaxnreg, shared, scratch) in enumerate(rows):
         assert tma > 0 and wgmma > 0, r.stdout
         assert (setmaxnreg > 0) == bool(ws), r.stdout  # warp specialisation really happened
         assert shared <= 227 * 1024, r.stdout  # the H100's shared memory per block
+        assert (scratch == 0) == (i == 2), r.stdout  # descriptors made on the device need scratch
