@@ -113,6 +113,7 @@ def worker_spec(
         model=p.model,
         memory_limit_bytes=budget if cpu else None,
         numerics_max_tokens=p.numerics_max_tokens or 2048,
+        numerics_memo=p.numerics_memo,
         e2e_rounds=p.e2e_rounds,
         agent_pid=os.getpid(),
         progress_path=str(workdir / "progress.json"),
