@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,27 @@ class Worker:
             raise TrialFailure(outcome, f"{name}: {text}") from exc
         finally:
             self.result.seconds[name] = self.result.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def timed_phase(self, name: str) -> Iterator[None]:
+        """A timing phase under the host's per-device timing lock (:mod:`agents.timing_lock`), so co-located
+        agents do not time their calls in each other's GPU time slices; the wait is phase ``<name>_lock``."""
+        from agents.timing_lock import device_key, timing_lock
+
+        if self.spec.timing_lock_s <= 0:  # off (CPU nodes by default)
+            with self.phase(name):
+                yield
+            return
+        with ExitStack() as stack:
+            with self.phase(f"{name}_lock"):
+                wait = stack.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+            if not wait.held:
+                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: not free after "
+                                  f"{wait.waited_s:.1f}s (another process on this device held it)")
+            elif wait.waited_s >= 0.1:
+                self.notes.append(f"{name}: waited {wait.waited_s:.1f}s for the timing lock on {wait.key}")
+            with self.phase(name):
+                yield
 
     # ---------------------------------------------------------------------------------------- run
     def run(self) -> WorkerResult:
@@ -453,7 +474,7 @@ class Worker:
                     self.result.launches_per_call[name] = max(self.result.launches_per_call.get(name, 0),
                                                               row["candidate_launches"])
             self.result.peak_memory_bytes = peak
-        with self.phase("latency"):
+        with self.timed_phase("latency"):
             from agents.trial_latency import time_cells
 
             cells, notes = time_cells(plan, self.stable, self.cand, device=self.device, seed=self.spec.seed)
@@ -505,7 +526,7 @@ class Worker:
         if not any(n in STAGE_OPS for n in self.cand):
             return
         spec = self.spec
-        with self.phase("e2e"):
+        with self.timed_phase("e2e"):
             if self.device.type == "cuda":
                 tokens = min(spec.prefill_tokens) if spec.prefill_tokens else 512
                 # CUDA-graph replays timed one by one in ABBA quads (windows of 8 calls per arm) after 0.5 s
@@ -562,7 +583,7 @@ class Worker:
 
         spec, model = self.spec, self.spec.model
         assert model is not None
-        with self.phase("e2e"):
+        with self.timed_phase("e2e"):
             cpu = self.device.type == "cpu"
             res = trial_model_e2e(model.model_dump(), self.stable, self.cand, device=self.device,
                                   prefill_tokens=sorted(spec.prefill_tokens)[:1 if cpu else None] or [8],
