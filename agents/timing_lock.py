@@ -37,6 +37,7 @@ class LockWait:
     key: str
     waited_s: float = 0.0
     held: bool = False
+    error: str | None = None  # the lock file could not be opened (the phase times without it)
 
 
 def lock_dir() -> Path:
@@ -67,8 +68,13 @@ def timing_lock(key: str, timeout_s: float, directory: Path | None = None
         yield wait
         return
     d = directory or lock_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:  # an unusable lock directory must not fail the trial
+        wait.error = f"{d}: {exc.strerror or exc}"
+        yield wait
+        return
     try:
         t0 = time.monotonic()
         while True:

@@ -137,7 +137,9 @@ class Worker:
         with ExitStack() as stack:
             with self.phase(f"{name}_lock"):
                 wait = stack.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
-            if not wait.held:
+            if wait.error is not None:
+                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: {wait.error}")
+            elif not wait.held:
                 self.notes.append(f"{name}: timed without the timing lock on {wait.key}: not free after "
                                   f"{wait.waited_s:.1f}s (another process on this device held it)")
             elif wait.waited_s >= 0.1:

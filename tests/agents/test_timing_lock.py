@@ -60,6 +60,9 @@ def test_a_second_process_waits_times_out_and_then_gets_the_lock(tmp_path: Path)
     assert holder.returncode == 0
     with timing_lock("gpu-A", 0, tmp_path) as w:
         assert not w.held and w.waited_s == 0  # 0: no lock
+    (tmp_path / "file").write_text("")
+    with timing_lock("gpu-A", 1.0, tmp_path / "file" / "sub") as w:  # an unusable directory: no lock, no error
+        assert not w.held and w.error
 
 
 def test_a_trial_records_its_wait_for_the_lock(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
