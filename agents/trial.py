@@ -30,7 +30,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agents.inventory import NodeInventory, child_env
-from agents.trial_protocol import TrafficProfile, WorkerResult, WorkerSpec
+from agents.trial_protocol import GPU_TIMING_LOCK_S, TrafficProfile, WorkerResult, WorkerSpec
 from kernelctl.wire import (
     ArmsLatency,
     CellLatency,
@@ -113,6 +113,8 @@ def worker_spec(
         model=p.model,
         memory_limit_bytes=budget if cpu else None,
         numerics_max_tokens=p.numerics_max_tokens or 2048,
+        numerics_memo=p.numerics_memo,
+        timing_lock_s=p.timing_lock_s if p.timing_lock_s is not None else (0.0 if cpu else GPU_TIMING_LOCK_S),
         e2e_rounds=p.e2e_rounds,
         agent_pid=os.getpid(),
         progress_path=str(workdir / "progress.json"),

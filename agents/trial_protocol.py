@@ -16,7 +16,7 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kernelctl.vocab import DTypeName, Outcome
+from kernelctl.vocab import DTypeName, NumericsMemoMode, Outcome
 
 
 class _Model(BaseModel):
@@ -62,6 +62,12 @@ class TrafficProfile(_Model):
     batch_share: dict[str, float] | None = Field(
         None, description="traffic weights: share of serving steps at each token count (default equal)")
     e2e_rounds: int | None = Field(None, ge=1, le=1000, description="rounds of the end-to-end block timing")
+    timing_lock_s: float | None = Field(
+        None, ge=0, le=3600, description="longest wait for the host's per-GPU timing lock before timing anyway "
+                                         "(agents.timing_lock; default 120 s on GPU nodes, off on CPU nodes; 0: off)")
+    numerics_memo: NumericsMemoMode | None = Field(
+        None, description="repeat trials of a pair: skip | fingerprint | off (default: skip on CPU nodes, "
+                          "fingerprint on GPU nodes; kernelctl.vocab.NumericsMemoMode)")
 
     @field_validator("op_calls_per_step", "batch_share")
     @classmethod
@@ -99,6 +105,10 @@ def load_profile(path: Path) -> TrafficProfile:
         raise ProfileError(f"traffic profile {path}: {errs}") from None
 
 
+GPU_TIMING_LOCK_S = 120.0
+"""Default longest wait for the host's per-GPU timing lock on GPU nodes (agents.timing_lock)."""
+
+
 class WorkerSpec(_Model):
     candidate_path: str
     candidate_digest: str
@@ -119,6 +129,8 @@ class WorkerSpec(_Model):
     model: ModelProfile | None = None  # serving (issue 17): end to end on this model instead of the block
     memory_limit_bytes: int | None = None  # CPU: RLIMIT_AS budget above the child's footprint after imports
     numerics_max_tokens: int = 2048
+    numerics_memo: NumericsMemoMode | None = None  # None: by device (agents.trial_memo.memo_mode)
+    timing_lock_s: float = 0.0  # agents.timing_lock: longest wait for the per-device timing lock; 0: no lock
     e2e_rounds: int | None = None
     agent_pid: int | None = None
     progress_path: str | None = None

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,29 @@ class Worker:
         finally:
             self.result.seconds[name] = self.result.seconds.get(name, 0.0) + time.perf_counter() - t0
 
+    @contextmanager
+    def timed_phase(self, name: str) -> Iterator[None]:
+        """A timing phase under the host's per-device timing lock (:mod:`agents.timing_lock`), so co-located
+        agents do not time their calls in each other's GPU time slices; the wait is phase ``<name>_lock``."""
+        from agents.timing_lock import device_key, timing_lock
+
+        if self.spec.timing_lock_s <= 0:  # off (CPU nodes by default)
+            with self.phase(name):
+                yield
+            return
+        with ExitStack() as stack:
+            with self.phase(f"{name}_lock"):
+                wait = stack.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+            if wait.error is not None:
+                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: {wait.error}")
+            elif not wait.held:
+                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: not free after "
+                                  f"{wait.waited_s:.1f}s (another process on this device held it)")
+            elif wait.waited_s >= 0.1:
+                self.notes.append(f"{name}: waited {wait.waited_s:.1f}s for the timing lock on {wait.key}")
+            with self.phase(name):
+                yield
+
     # ---------------------------------------------------------------------------------------- run
     def run(self) -> WorkerResult:
         try:
@@ -207,18 +230,24 @@ class Worker:
 
     def _numerics(self) -> None:
         """Golden vectors, fuzzing, edge values and production shapes, in that order; the first phase with a
-        check over tolerance ends the numerics (a ``numeric_error`` needs no further evidence). On the
-        interpreter, golden/edge/production checks a node already passed for this (candidate, stable) pair
-        are not repeated (:mod:`agents.trial_memo`); fuzzing, with this trial's fresh seed, always runs."""
+        check over tolerance ends the numerics (a ``numeric_error`` needs no further evidence). Checks a node
+        already passed for this (candidate, stable) pair are not repeated as :mod:`agents.trial_memo` says
+        (``skip`` on the interpreter: golden, edge and production; ``fingerprint`` on a GPU: a production
+        shape whose candidate output bits equal the checked run's); fuzzing, with this trial's fresh seed,
+        always runs."""
         from agents.trial_memo import NumericsMemo
 
         memo = NumericsMemo.for_trial(self.spec, self.device.type, has_stable=bool(self.stable))
         passed = memo.passed() if memo is not None else None
-        if passed is not None:
+        self.memo = memo
+        self.checked_prints: dict[str, list[str]] = {}  # production shape -> fingerprints both runs agreed on
+        phases = [self._golden, self._fuzz, self._edge, self._production]
+        if passed is not None and memo is not None and memo.skips_all:
             self.notes.append(f"golden, edge and production checks not repeated: the same {passed.get('checks')} "
                               f"checks on the same inputs passed in this node's trial at {passed.get('at')} "
                               "(the interpreter is deterministic); fuzzing runs with this trial's seed")
-        for run_phase in [self._fuzz] if passed else [self._golden, self._fuzz, self._edge, self._production]:
+            phases = [self._fuzz]
+        for run_phase in phases:
             run_phase()
             if any(not c["within_tolerance"] for c in self.result.numerics):
                 break  # the outcome is decided; the remaining phases would only add evidence
@@ -235,8 +264,10 @@ class Worker:
             self.result.outcome = "mismatch"
             self.notes.append(f"{len(mism)} check(s) differ from stable beyond tolerance; first: {c['kind']} {c['op']} "
                               f"{c['dtype']} {c['shape']} max |candidate-stable|={c['vs_stable_max_abs']:.3g}")
-        elif memo is not None and passed is None:
-            memo.record(sum(1 for c in self.result.numerics if c["kind"] in NumericsMemo.KINDS), self.spec.seed)
+        elif memo is not None and (passed is None or not memo.skips_all):
+            checks = sum(1 for c in self.result.numerics if c["kind"] in NumericsMemo.KINDS)
+            if passed is None or self.checked_prints:
+                memo.record(checks, self.spec.seed, {**memo.fingerprints(), **self.checked_prints})
 
     def _golden(self) -> None:
         from kernelpack.harness.golden import check_golden
@@ -286,26 +317,46 @@ class Worker:
                         self._record([o.result], "edge", o.case)
 
     def _production(self) -> None:
-        from kernelpack.harness.edge import check_production
+        from agents.trial_memo import shape_key
+        from kernelpack.harness.edge import candidate_fingerprints, check_production
         from kernelpack.kernels.spec import DomainError
 
+        memo = self.memo
+        fingerprint = memo is not None and not memo.skips_all
+        known = memo.fingerprints() if fingerprint and memo is not None else {}
+        reused = 0
         with self.phase("production"):  # the shapes the latency phase times, candidate vs stable
             for name in sorted(self.cand):
                 op, cfg = self.cand[name]
                 dtype = self._latency_dtype(op)
                 tol = self._contract(name).tolerances.get(dtype)
                 for shape in self._production_shapes(op, dtype):
+                    key = shape_key(name, dtype, shape)
                     try:
+                        if key in known:  # checked before: only the bits of a fresh run are compared
+                            now = candidate_fingerprints((op, cfg), dtype, shape, device=self.device)
+                            if now == known[key]:
+                                reused += 1
+                                continue
+                            self.notes.append(f"{name} {dtype} {shape}: output bits differ from the checked "
+                                              "run's (nondeterministic): production check run again")
+                        prints: list[list[str]] = []
                         res, notes = check_production((op, cfg), self.stable.get(name), dtype, shape,
                                                       device=self.device, token_dim=token_dim(shape),
-                                                      tolerance=tol)  # inputs seeded by (op, dtype, shape)
+                                                      tolerance=tol, runs=2 if fingerprint else 1,
+                                                      fingerprints_out=prints if fingerprint else None)
                     except DomainError as exc:
                         self.notes.append(f"{name}: production numerics at {shape} skipped: {exc}")
                         continue
                     self.notes.extend(notes)
                     self._record(res, "production")
+                    if prints and all(p == prints[0] for p in prints) and key not in known:
+                        self.checked_prints[key] = prints[0]
                     if self.device.type == "cuda":
                         sys.modules["torch"].cuda.empty_cache()  # imported in the import phase
+        if reused:
+            self.notes.append(f"production checks not repeated at {reused} shape(s): the candidate's output bits "
+                              "equal those of the run that passed them on this node (fingerprint memo)")
 
     def _production_shapes(self, op: Any, dtype: str) -> list[dict[str, int]]:
         """GPU: every shape the latency phase times. CPU (interpreter): the small test shape at the profile's
@@ -425,7 +476,7 @@ class Worker:
                     self.result.launches_per_call[name] = max(self.result.launches_per_call.get(name, 0),
                                                               row["candidate_launches"])
             self.result.peak_memory_bytes = peak
-        with self.phase("latency"):
+        with self.timed_phase("latency"):
             from agents.trial_latency import time_cells
 
             cells, notes = time_cells(plan, self.stable, self.cand, device=self.device, seed=self.spec.seed)
@@ -477,7 +528,7 @@ class Worker:
         if not any(n in STAGE_OPS for n in self.cand):
             return
         spec = self.spec
-        with self.phase("e2e"):
+        with self.timed_phase("e2e"):
             if self.device.type == "cuda":
                 tokens = min(spec.prefill_tokens) if spec.prefill_tokens else 512
                 # CUDA-graph replays timed one by one in ABBA quads (windows of 8 calls per arm) after 0.5 s
@@ -534,7 +585,7 @@ class Worker:
 
         spec, model = self.spec, self.spec.model
         assert model is not None
-        with self.phase("e2e"):
+        with self.timed_phase("e2e"):
             cpu = self.device.type == "cpu"
             res = trial_model_e2e(model.model_dump(), self.stable, self.cand, device=self.device,
                                   prefill_tokens=sorted(spec.prefill_tokens)[:1 if cpu else None] or [8],

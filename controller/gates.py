@@ -14,7 +14,9 @@ bake time runs per step), the judged gates of :mod:`controller.judge.gates`, in 
 
 The stratum advances when every must-pass metric passes *now* (a pass is re-checked at every tick, so a
 regression after an early pass rolls back at any step) and the bake time has elapsed; a metric with too few
-samples holds it; past the deadline without a decision the stratum pauses. Every decision carries per-metric
+samples holds it; past the deadline without a decision the stratum pauses, unless every metric is sampled
+and none regressed: then it may collect up to ``deadline_extension`` more (anytime-valid tests: looking longer
+costs no error level). Every decision carries per-metric
 evidence for ``kernelctl rollout explain``. A stratum without a baseline (first rollout of a bundle) is judged
 on hard gates and the sample count only. Evidence is gathered with set-based queries over all active strata.
 """
@@ -239,11 +241,23 @@ def _family_state(views: list[MetricView]) -> str:
     return "pass" if lat and all(v.decision is MetricDecision.PASS for v in lat if v.must_pass) else "hold"
 
 
+def _tests_running(views: list[MetricView], step: StepSpec) -> bool:
+    """The deadline extension's condition (``StepSpec.deadline_extension``): every metric still holding is a
+    judged latency metric with ``min_samples`` samples, i.e. its anytime-valid tests are running and nothing
+    regressed (a regression rolled back before this is asked). Looking longer at an anytime-valid test costs no
+    error level, so such a stratum may collect evidence past the deadline; a stratum holding for samples it does
+    not get, or for numeric checks, pauses at the deadline as before."""
+    waiting = [v for v in views if v.must_pass and v.decision is not MetricDecision.PASS]
+    return bool(waiting) and all(v.statistic is not None and v.n >= step.min_samples for v in waiting)
+
+
 def _decide(row: RolloutStratum, step: StepSpec, plan: PlanSpec, now: dt.datetime, *,
             hard: HardFailure | None, ev: StepEvidence, canaries: int) -> Decision:
     elapsed = (now - as_utc(row.step_started_at)).total_seconds()
     timing = {"step": row.step_index, "elapsed_seconds": round(elapsed, 3), "bake_seconds": step.bake_seconds,
-              "deadline_seconds": step.deadline_seconds, "min_samples": step.min_samples, "canaries": canaries}
+              "deadline_seconds": step.deadline_seconds,
+              "extended_deadline_seconds": step.extended_deadline_seconds, "min_samples": step.min_samples,
+              "canaries": canaries}
     if hard is not None:
         return _hard_decision(hard, ev, timing)
     baked, late = elapsed >= step.bake_seconds, elapsed > step.deadline_seconds
@@ -268,8 +282,13 @@ def _decide(row: RolloutStratum, step: StepSpec, plan: PlanSpec, now: dt.datetim
                         "the bake time", evidence, views)
     why = _holding_reason(holding, step, elapsed)
     name = holding.metric if holding is not None else None
+    gate = GateName.E2E if holding is not None and holding.kind is MetricKind.E2E else GateName.LATENCY
+    if late and _tests_running(views, step) and elapsed <= step.extended_deadline_seconds:
+        evidence["deadline_extended"] = True
+        return Decision(StepDecision.HOLD, gate, n, f"past the step deadline ({step.deadline_seconds:g}s), extended "
+                        f"to {step.extended_deadline_seconds:g}s (every metric sampled, none in regression): {why}",
+                        evidence, views, name)
     if late:
         return Decision(StepDecision.PAUSE, GateName.DEADLINE, n, f"inconclusive past the step deadline "
                         f"({step.deadline_seconds:g}s): {why}", evidence, views, name)
-    gate = GateName.E2E if holding is not None and holding.kind is MetricKind.E2E else GateName.LATENCY
     return Decision(StepDecision.HOLD, gate, n, why, evidence, views, name)

@@ -28,6 +28,12 @@ class StepSpec(BaseModel):
     bake_seconds: float = Field(300.0, ge=0, le=30 * 86400)
     min_samples: int = Field(5, ge=1, le=1_000_000)
     deadline_seconds: float = Field(3600.0, gt=0, le=90 * 86400)
+    deadline_extension: float = Field(
+        1.0, ge=0, le=10,
+        description="Past deadline_seconds, a stratum still holding with every judged metric sampled and none in "
+                    "regression keeps collecting for this fraction of the deadline more before it pauses (the "
+                    "judge's tests are anytime-valid, so looking longer costs no error level); 0: pause at the "
+                    "deadline.")
 
     @model_validator(mode="after")
     def _one_size(self) -> StepSpec:
@@ -38,6 +44,11 @@ class StepSpec(BaseModel):
                 f"deadline_seconds {self.deadline_seconds} is shorter than bake_seconds {self.bake_seconds}"
             )
         return self
+
+    @property
+    def extended_deadline_seconds(self) -> float:
+        """The latest a stratum holding on running tests may go on before it pauses."""
+        return self.deadline_seconds * (1.0 + self.deadline_extension)
 
     def target(self, eligible: int) -> int:
         """How many canaries this step asks for in a stratum of ``eligible`` nodes (before any clamp)."""

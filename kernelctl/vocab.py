@@ -66,6 +66,18 @@ LaunchGate = Literal["rollback", "warn"]
 DEFAULT_MEMORY_MARGIN = 0.10
 
 
+class NumericsMemoMode(StrEnum):
+    """How a node avoids repeating a (candidate, stable) pair's deterministic numeric checks
+    (``agents.trial_memo``): ``skip`` golden, edge and production checks once passed (the CPU interpreter's
+    default: same inputs, same bits); ``fingerprint`` re-runs the candidate at each production shape and skips
+    that shape's check only while its output bits equal the checked run's (the GPU default: a racy kernel may
+    pass once); ``off`` checks everything every trial."""
+
+    SKIP = "skip"
+    FINGERPRINT = "fingerprint"
+    OFF = "off"
+
+
 # ------------------------------------------------------------------------------------------ the judge
 class MetricDecision(StrEnum):
     """One judged metric's state at a tick (``warn``: recorded, not a rollback; ``fail``: a hard gate)."""

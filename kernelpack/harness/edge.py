@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelpack.harness.fingerprint import fingerprints
 from kernelpack.harness.numerics import (
     NumericResult,
     clone_inputs,
     comparable,
     compare_output,
-    diff_outputs,
     make_generator,
     poisoned_mask,
     resolve_dtype,
@@ -197,21 +197,38 @@ def _sliced_reference(op: KernelOp, inputs: Inputs, tokens: int, rows: torch.Ten
         return None, False
 
 
+def production_inputs(op: KernelOp, dtype: str, shape: Shape, device: torch.device, seed: int | None = None
+                      ) -> tuple[Inputs, int]:
+    """The production check's inputs at ``shape`` (seeded by :func:`edge_seed` unless ``seed``) and the seed."""
+    if seed is None:
+        seed = edge_seed(op.name, dtype, shape)
+    return op.make_inputs(dict(shape), resolve_dtype(dtype), device, make_generator(device, seed)), seed
+
+
+def candidate_fingerprints(candidate: OpCfg, dtype: str, shape: Shape, *, device: torch.device,
+                           seed: int | None = None) -> list[str]:
+    """One run of the candidate on the production check's inputs: its outputs' bit fingerprints (the GPU memo's
+    repeat check, :mod:`agents.trial_memo`)."""
+    op, cfg = candidate
+    inputs, _ = production_inputs(op, dtype, shape, device, seed)
+    return fingerprints(run_poisoned(op, cfg, inputs)[0])
+
+
 def check_production(candidate: OpCfg, stable: OpCfg | None, dtype: str, shape: Shape, *, device: torch.device,
-                     token_dim: str, seed: int | None = None,
-                     tolerance: Tolerance | None = None) -> tuple[list[NumericResult], list[str]]:
+                     token_dim: str, seed: int | None = None, tolerance: Tolerance | None = None, runs: int = 1,
+                     fingerprints_out: list[list[str]] | None = None) -> tuple[list[NumericResult], list[str]]:
     """Candidate vs stable over the whole output at ``shape`` and vs the float64 reference on sampled rows
     (or the whole tensor when cheap); returns (results, notes). Inputs and the row sample come from ``seed``,
     by default :func:`edge_seed` of (op, dtype, shape): every trial of a node judges the same inputs (on a GPU
-    they are drawn on the device, so nodes of one GPU model draw the same values)."""
+    they are drawn on the device, so nodes of one GPU model draw the same values).
+
+    ``runs`` > 1 runs the candidate that many times on the same inputs and checks every output (the reference
+    and stable are computed once); the results are the first failing run's, else the first run's, and a note
+    says when the runs' output bits differed. ``fingerprints_out`` receives each run's output fingerprints."""
     op, cfg = candidate
-    if seed is None:
-        seed = edge_seed(op.name, dtype, shape)
     tol = tolerance or tolerance_for(op, dtype)
-    tdtype = resolve_dtype(dtype)
     notes: list[str] = []
-    inputs = op.make_inputs(dict(shape), tdtype, device, make_generator(device, seed))
-    outs, modified = run_poisoned(op, cfg, inputs)
+    inputs, seed = production_inputs(op, dtype, shape, device, seed)
     st = comparable(stable, op, inputs)
     other = run_poisoned(st[0], st[1], inputs)[0] if st is not None else None
     tokens = int(shape.get(token_dim, 0))
@@ -227,51 +244,76 @@ def check_production(candidate: OpCfg, stable: OpCfg | None, dtype: str, shape: 
             notes.append(f"{op.name} {dtype} {shape}: float64 reference skipped at this size (rows not "
                          "separable); compared with stable over the whole tensor")
             refs = None
-    results = []
-    for i, o in enumerate(outs):
-        if refs is not None:
-            ref = refs[i]  # type: ignore[index]
-            out_cmp = o.index_select(0, rows.to(o.device)) if rows is not None and o.shape[0] == tokens else o
-            if tuple(out_cmp.shape) != tuple(ref.shape):
-                out_cmp = o
-                ref = None
-        else:
-            ref = None
-        if ref is not None:
-            unwritten, nonfinite, max_abs, max_rel, n_out, within = compare_output(out_cmp, ref, tol)
-            if rows is not None:  # a row sample against the reference; unwritten elements over the whole tensor
-                unwritten = int(poisoned_mask(o).sum())
-                within = within and unwritten == 0
-        else:
+    chosen: list[NumericResult] | None = None
+    prints: list[list[str]] = []
+    for _ in range(max(1, runs)):
+        outs, modified = run_poisoned(op, cfg, inputs)
+        if runs > 1 or fingerprints_out is not None:
+            prints.append(fingerprints(outs))
+        results = [_production_result(op, dtype, shape, seed, tol, o, i, refs, rows, tokens, other, modified)
+                   for i, o in enumerate(outs)]
+        if chosen is None or (all(r.passed for r in chosen) and not all(r.passed for r in results)):
+            chosen = results
+        del outs
+    if len({tuple(p) for p in prints}) > 1:
+        notes.append(f"{op.name} {dtype} {shape}: the candidate's output bits differed between {len(prints)} runs "
+                     "on the same inputs (nondeterministic); every run was checked")
+    if fingerprints_out is not None:
+        fingerprints_out.extend(prints)
+    return chosen or [], notes
+
+
+def _production_result(op: KernelOp, dtype: str, shape: Shape, seed: int, tol: Tolerance, o: torch.Tensor, i: int,
+                       refs: object, rows: torch.Tensor | None, tokens: int, other: Sequence[torch.Tensor] | None,
+                       modified: bool) -> NumericResult:
+    """One output of one production run against the reference (sampled rows or whole) and stable."""
+    ref = None
+    out_cmp = o
+    if refs is not None:
+        ref = refs[i]  # type: ignore[index]
+        out_cmp = o.index_select(0, rows.to(o.device)) if rows is not None and o.shape[0] == tokens else o
+        if tuple(out_cmp.shape) != tuple(ref.shape):
+            out_cmp, ref = o, None
+    if ref is not None:
+        unwritten, nonfinite, max_abs, max_rel, n_out, within = compare_output(out_cmp, ref, tol)
+        if rows is not None:  # a row sample against the reference; unwritten elements over the whole tensor
             unwritten = int(poisoned_mask(o).sum())
-            nonfinite = int((~torch.isfinite(o.detach().to("cpu", torch.float64)) & ~poisoned_mask(o).cpu()).sum())
-            max_abs, max_rel, n_out, within = 0.0, 0.0, 0, unwritten == 0 and nonfinite == 0
-        res = NumericResult(op=op.name, dtype=dtype, shape=dict(shape), output=i, n_elements=o.numel(),
-                            unwritten=unwritten, nonfinite=nonfinite, max_abs_err=max_abs, max_rel_err=max_rel,
-                            n_out_of_tol=n_out, atol=tol.atol, rtol=tol.rtol, within_tolerance=within,
-                            inputs_modified=modified, seed=seed)
-        if other is not None:
-            res.against_max_abs_diff, res.against_within_tolerance = (
-                _diff_on_device(o, other[i], tol) if o.is_cuda else diff_outputs(o, other[i], tol))
-        results.append(res.finalize())
-    return results, notes
+            within = within and unwritten == 0
+    else:
+        unwritten = int(poisoned_mask(o).sum())
+        nonfinite = int((~torch.isfinite(o.detach()) & ~poisoned_mask(o)).sum())  # on the device, no copy
+        max_abs, max_rel, n_out, within = 0.0, 0.0, 0, unwritten == 0 and nonfinite == 0
+    res = NumericResult(op=op.name, dtype=dtype, shape=dict(shape), output=i, n_elements=o.numel(),
+                        unwritten=unwritten, nonfinite=nonfinite, max_abs_err=max_abs, max_rel_err=max_rel,
+                        n_out_of_tol=n_out, atol=tol.atol, rtol=tol.rtol, within_tolerance=within,
+                        inputs_modified=modified, seed=seed)
+    if other is not None:
+        res.against_max_abs_diff, res.against_within_tolerance = _diff_on_device(o, other[i], tol)
+    return res.finalize()
 
 
 def _diff_on_device(a: torch.Tensor, b: torch.Tensor, tol: Tolerance, chunk: int = 1 << 26) -> tuple[float, bool]:
-    """:func:`diff_outputs` computed on the GPU in float64 chunks (production tensors are too large to copy)."""
+    """:func:`diff_outputs` computed on the tensors' device in float64 chunks (a GPU's production tensors are
+    too large to copy to the host), reduced there and read back in one host sync (the CPU runs the same code)."""
     if a.shape != b.shape:
         return math.inf, False
     x, y = a.detach().reshape(-1), b.detach().reshape(-1)
-    worst, ok = 0.0, True
+    if x.numel() == 0:
+        return 0.0, True
+    worst = torch.zeros((), dtype=torch.float64, device=x.device)
+    bad = torch.zeros((), dtype=torch.int64, device=x.device)  # non-finite or out of tolerance
+    nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
     for i in range(0, x.numel(), chunk):
         xs, ys = x[i:i + chunk].to(torch.float64), y[i:i + chunk].to(torch.float64)
         finite = torch.isfinite(xs) & torch.isfinite(ys)
-        if not bool(finite.all()):
-            return math.inf, False
         d = (xs - ys).abs()
-        worst = max(worst, float(d.max())) if d.numel() else worst
-        ok = ok and bool((d <= tol.atol + tol.rtol * ys.abs()).all())
-    return worst, ok
+        nonfinite += (~finite).sum()
+        worst = torch.maximum(worst, torch.where(finite, d, 0.0).max())
+        bad += (~(d <= tol.atol + tol.rtol * ys.abs())).sum()
+    w, n_bad, n_nonfinite = torch.stack([worst, bad.to(torch.float64), nonfinite.to(torch.float64)]).tolist()
+    if n_nonfinite:
+        return math.inf, False
+    return w, n_bad == 0
 
 
 def stricter(a: Tolerance, b: Tolerance | None) -> Tolerance:

@@ -41,6 +41,8 @@ def _cells(row: dict[str, object]) -> list[str]:
                 f"(med {_fmt_n(r['median_reports_to_rollback'])})")
         if "undecided" in r:
             text += f"; undecided {_fmt_rate(r['undecided'])}"
+        if "undecided_at_deadline" in r:
+            text += f" (open at the deadline {_fmt_rate(r['undecided_at_deadline'])})"
         out.append(text)
     return out
 
@@ -53,6 +55,8 @@ def judge_cmd(
     seed: int = typer.Option(0, "--seed", help="Random seed (report figures on a seed you did not tune on)."),
     nodes: str = typer.Option("1,3,10", "--nodes", help="Comma-separated canary sizes (one report per tick each)."),
     ticks: int = typer.Option(60, "--ticks", min=1, help="Ticks to the step deadline (= reports per node)."),
+    extension: float = typer.Option(1.0, "--extension", min=0.0, max=10.0, help="Deadline extension of a clean "
+                                    "hold, a fraction of --ticks (the controller's StepSpec.deadline_extension)."),
     cells: int = typer.Option(8, "--cells", min=2, help="(op, batch-size) cells per report (cell 0: 60% traffic)."),
     calls: int = typer.Option(512, "--calls", min=8, help="Timed calls per arm and cell in one report."),
     margin_pct: float = typer.Option(2.0, "--margin-pct", min=0.0, help="Allowed mean slow-down in percent."),
@@ -68,7 +72,7 @@ def judge_cmd(
 
     try:
         names = tuple(CLASSES) if classes == "all" else parse_csv(classes)
-        cfg = SimConfig(runs=runs, seed=seed, classes=names, nodes=parse_csv(nodes, int), ticks=ticks, cells=cells,
+        cfg = SimConfig(runs=runs, seed=seed, classes=names, nodes=parse_csv(nodes, int), ticks=ticks, extension=extension, cells=cells,
                         calls=calls, margin=math.log1p(margin_pct / 100.0),
                         p99_margin=math.log1p(p99_margin_pct / 100.0), alpha=alpha, baselines=baselines)
     except ValueError as exc:
@@ -78,7 +82,7 @@ def judge_cmd(
         typer.echo(json.dumps(rep, indent=2))
         return
     console = Console()
-    table = Table(title=f"sim judge: {runs} runs/row, {ticks} ticks to the deadline, {cells} cells x {calls} calls, "
+    table = Table(title=f"sim judge: {runs} runs/row, {ticks} ticks to the deadline (+{extension:g}x for a clean hold), {cells} cells x {calls} calls, "
                         f"margin mean +{margin_pct:g}% p99 +{p99_margin_pct:g}%, alpha {alpha:g}, seed {seed}")
     for col in ("class", "verdict due", "canaries", "judge (mean + p99, betting)", "repeated t-test (mean)",
                 "Mann-Whitney (mean)"):
@@ -87,4 +91,4 @@ def judge_cmd(
         table.add_row(str(row["class"]), str(row["expected"]), str(row["nodes"]), *_cells(row))
     console.print(table)
     console.print(f"promoted: passed before any regress; rolled back: regressed before any pass (median reports "
-                  f"per canary); undecided: neither by the deadline. {rep['cpu_s']} s CPU, {rep['elapsed_s']} s wall")
+                  f"per canary); undecided: neither by the extended deadline. {rep['cpu_s']} s CPU, {rep['elapsed_s']} s wall")

@@ -12,14 +12,18 @@ margin. The judge is evaluated after every tick with the same code (the vectoris
 
 Outcomes per run: the first tick the family regresses, the first tick it passes (every metric passes at
 that tick, nothing regressed). *Promoted* = passed before any regress; *rolled back* = regressed before any
-pass; *undecided* = neither by the deadline. For the classes that deserve a promotion the false-rollback rate
+pass; *undecided* = neither by the deadline. The deadline is the controller's: a run still holding at ``ticks``
+with every metric sampled and none regressed is extended (``StepSpec.deadline_extension``, default 1: up to
+``ticks * (1 + extension)``) and only then counted undecided; ``undecided_at_deadline`` is the share still
+open at ``ticks``, i.e. extended (the extension's condition holds for every such run: every metric has its
+samples by then, and a regression would have ended the run). For the classes that deserve a promotion the false-rollback rate
 counts a regress at *any* tick, even after a pass (conservative).
 
 Baselines on the same reports, same multiplicity split, re-evaluated every tick, mean statistics only:
 ``ttest`` (one-sided Student-t bounds: regress when the lower bound is above the margin, pass when every
 upper bound is below it) and ``mannwhitney`` (Kayenta: per tick the group-mean log-latency of each arm,
 one-sided Mann-Whitney U, regress when p < alpha_m and the median ratio exceeds the margin; pass = never
-regressed by the deadline).
+regressed by the deadline); both baselines are judged at ``ticks`` without the extension.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SimConfig:
     classes: tuple[str, ...] = tuple(CLASSES)
     nodes: tuple[int, ...] = (1, 3, 10)
     ticks: int = 60
+    extension: float = 1.0  # StepSpec.deadline_extension: a clean hold goes on to ticks * (1 + extension)
     cells: int = 8
     calls: int = 512
     e2e_calls: int = 72
@@ -62,11 +67,18 @@ class SimConfig:
     elements: int = 2_000_000  # target array size per chunk
 
     def __post_init__(self) -> None:
+        if not 0 <= self.extension <= 10:
+            raise ValueError(f"extension must be in [0, 10], got {self.extension!r}")
         if self.runs < 1 or self.ticks < 1 or self.cells < 2 or not self.nodes or min(self.nodes) < 1:
             raise ValueError("runs, ticks and every node count must be >= 1, cells >= 2")
         for c in self.classes:
             if c not in CLASSES:
                 raise ValueError(f"unknown class {c!r}; choose from {', '.join(CLASSES)}")
+
+
+def horizon(cfg: SimConfig) -> int:
+    """Ticks a run may last: the deadline and its extension for a clean hold."""
+    return round(cfg.ticks * (1.0 + cfg.extension))
 
 
 def traffic_weights(cells: int) -> np.ndarray:
@@ -110,9 +122,9 @@ class Generator:
         self.e2e = pool(rng, cls, cfg.pool, cfg.e2e_calls, 0.015, True, False).stats
         self.weights = traffic_weights(cfg.cells)
 
-    def draw(self, rng: np.random.Generator, runs: int, nodes: int) -> Reports:
+    def draw(self, rng: np.random.Generator, runs: int, nodes: int, ticks: int | None = None) -> Reports:
         cfg, cls = self.cfg, self.cls
-        ticks = cfg.ticks
+        ticks = cfg.ticks if ticks is None else ticks
         shape = (runs, ticks, nodes)
         cell = np.empty((*shape, cfg.cells, 4))
         for c in range(cfg.cells):
@@ -224,7 +236,8 @@ def mannwhitney_first(rep: Reports, nodes: int, layout: dict[str, MetricSeries],
     return _first(regress)
 
 
-def _summary(first_reg: np.ndarray, first_pass: np.ndarray | None, expected: str) -> dict[str, object]:
+def _summary(first_reg: np.ndarray, first_pass: np.ndarray | None, expected: str,
+             deadline: int | None = None) -> dict[str, object]:
     runs = first_reg.size
     reg_first = first_reg if first_pass is None else np.where(first_reg <= first_pass, first_reg, NEVER)
     hit = reg_first[reg_first != NEVER] + 1
@@ -240,6 +253,8 @@ def _summary(first_reg: np.ndarray, first_pass: np.ndarray | None, expected: str
     out["promoted"] = float(ph.size / runs)
     out["median_ticks_to_pass"] = float(np.median(ph)) if ph.size else None
     out["undecided"] = float(((first_reg == NEVER) & (first_pass == NEVER)).mean())
+    if deadline is not None:  # open at the nominal deadline: extended (or, with no extension, undecided)
+        out["undecided_at_deadline"] = float(((first_reg >= deadline) & (first_pass >= deadline)).mean())
     return out
 
 
@@ -253,16 +268,19 @@ def simulate(cfg: SimConfig) -> dict[str, object]:
         gen = Generator(cls, cfg)
         for k in cfg.nodes:
             rng = np.random.default_rng([cfg.seed, k, list(CLASSES).index(name), 17])
-            chunk = max(1, cfg.elements // (len(layout) * cfg.ticks * k))
+            total = horizon(cfg)
+            chunk = max(1, cfg.elements // (len(layout) * total * k))
             parts: dict[str, list[np.ndarray]] = {"j_r": [], "j_p": [], "t_r": [], "t_p": [], "mw": []}
             done = 0
             while done < cfg.runs:
                 r = min(chunk, cfg.runs - done)
-                rep = gen.draw(rng, r, k)
+                rep = gen.draw(rng, r, k, total)
                 a, b = judge_codes(rep.series, k, layout, cfg.alpha, cfg.min_samples)
                 parts["j_r"].append(a)
                 parts["j_p"].append(b)
-                if cfg.baselines:
+                if cfg.baselines:  # at the nominal deadline
+                    n = cfg.ticks * k
+                    rep = Reports(rep.series[..., :n], rep.levels[..., :n])
                     a, b = ttest_codes(rep.series, k, layout, cfg.alpha, cfg.min_samples)
                     parts["t_r"].append(a)
                     parts["t_p"].append(b)
@@ -270,12 +288,13 @@ def simulate(cfg: SimConfig) -> dict[str, object]:
                 done += r
             cat = {key: np.concatenate(v) for key, v in parts.items() if v}
             row: dict[str, object] = {"class": name, "expected": cls.expected, "nodes": k,
-                                      "judge": _summary(cat["j_r"], cat["j_p"], cls.expected)}
+                                      "judge": _summary(cat["j_r"], cat["j_p"], cls.expected, cfg.ticks)}
             if cfg.baselines:
                 row["ttest"] = _summary(cat["t_r"], cat["t_p"], cls.expected)
                 row["mannwhitney"] = _summary(cat["mw"], None, cls.expected)
             rows.append(row)
-    config = {"runs": cfg.runs, "seed": cfg.seed, "nodes": list(cfg.nodes), "ticks": cfg.ticks, "cells": cfg.cells,
+    config = {"runs": cfg.runs, "seed": cfg.seed, "nodes": list(cfg.nodes), "ticks": cfg.ticks, "extension": cfg.extension,
+              "cells": cfg.cells,
               "calls": cfg.calls, "margin": cfg.margin, "p99_margin": cfg.p99_margin, "e2e_margin": cfg.e2e_margin,
               "alpha": cfg.alpha, "min_samples": cfg.min_samples, "method": METHOD,
               "classes": {n: CLASSES[n].as_dict() for n in cfg.classes}}

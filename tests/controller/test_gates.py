@@ -84,6 +84,24 @@ def test_decide_latency(values: list[float], seconds: float, expected: tuple[str
     assert d.evidence["latency"]["n"] == len(values) and d.evidence["step"] == 0
 
 
+def test_a_running_test_extends_the_deadline_once_and_a_starved_one_does_not() -> None:
+    """Past the deadline, a stratum whose every metric is sampled and none regressed collects on (anytime-valid
+    tests) until deadline x (1 + deadline_extension), then pauses; with too few samples it pauses at once."""
+    rng = random.Random(5)
+    values = [0.012 + rng.gauss(0, 0.02) for _ in range(12)]  # inside the margin, not yet shown to be
+    at = {s: decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=s), hard=None, ev=ev(values), canaries=1)
+          for s in (300, 601, 1199, 1201)}
+    assert [(d.decision, d.gate) for d in at.values()] == [("hold", "latency")] * 3 + [("pause", "deadline")]
+    assert "extended to 1200s" in at[601].reason and at[601].evidence["deadline_extended"] is True
+    assert "deadline_extended" not in at[300].evidence
+    strict = StepSpec(nodes=1, bake_seconds=60, min_samples=5, deadline_seconds=600, deadline_extension=0)
+    d = decide(row(), strict, PlanSpec(steps=[strict]), T0 + dt.timedelta(seconds=601), hard=None, ev=ev(values),
+               canaries=1)
+    assert (d.decision, d.gate) == ("pause", "deadline")
+    d = decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=601), hard=None, ev=ev(values[:3]), canaries=1)
+    assert (d.decision, d.gate) == ("pause", "deadline") and "too few samples" in d.reason
+
+
 def test_hard_gate_wins_over_passing_latency() -> None:
     hard = HardFailure("oom", {"oom": 2}, 1, T0)
     d = decide(row(), STEP, PLAN, T0 + dt.timedelta(seconds=100), hard=hard, ev=ev([-0.05] * 60), canaries=1)

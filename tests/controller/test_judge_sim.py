@@ -49,3 +49,20 @@ def test_cli_table_and_bad_options() -> None:
     assert res.exit_code == 2 and "unknown class 'sunspots'" in res.output
     res = CliRunner().invoke(sim_app, ["judge", "--runs", "5", "--nodes", "1,many"])
     assert res.exit_code == 2 and "'many' is not a valid int" in res.output
+
+
+def test_the_deadline_extension_decides_runs_still_open_at_the_deadline() -> None:
+    """A run still open at --ticks goes on to ticks x (1 + extension), as the controller's clean hold does: with
+    the extension fewer runs stay open (those are then promoted), and none is rolled back."""
+    args = ["judge", "--classes", "plus1_ar", "--runs", "60", "--nodes", "1", "--ticks", "12", "--cells", "2",
+            "--calls", "64", "--no-baselines", "--json"]
+    rows = {}
+    for ext in ("0", "2"):
+        res = CliRunner().invoke(sim_app, [*args, "--extension", ext])
+        assert res.exit_code == 0, res.output
+        rows[ext] = json.loads(res.output)["rows"][0]["judge"]
+    plain, extended = rows["0"], rows["2"]
+    assert plain["undecided"] == plain["undecided_at_deadline"] > 0  # 12 reports of one AR(1) node: often open
+    assert extended["undecided_at_deadline"] > extended["undecided"]  # open at 12 ticks, decided by 36
+    assert extended["undecided"] < plain["undecided"]
+    assert extended["promoted"] > plain["promoted"] and extended["false_rollback"] == 0.0

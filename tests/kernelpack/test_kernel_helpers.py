@@ -67,7 +67,8 @@ def test_a_domain_error_names_its_op() -> None:
     assert info.value.op == "swiglu"
 
 
-@pytest.mark.parametrize("fault", ["crash", "drift", "oom", "slow", "edge", "rows", "memory", "launches", "cell"])
+@pytest.mark.parametrize("fault", ["crash", "drift", "oom", "slow", "edge", "rows", "memory", "launches", "cell",
+                                   "race"])
 def test_fault_fixtures_are_small_modules_over_the_stable_op(fault: str) -> None:
     """Each fixture imports the stable op and overrides only its faulty part; its bundle carries the stable
     source (and the shared modules that source imports) byte for byte."""
