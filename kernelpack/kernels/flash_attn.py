@@ -11,11 +11,12 @@ BLOCK_M / BLOCK_N are upper bounds: a sequence shorter than a tile gets max(16, 
 Two code paths, chosen by the launch config's ``TMA`` flag (bundles pin it per arch): the portable pointer
 kernel (``TMA = 0``), and the Hopper kernel after Triton's attention tutorial (``TMA = 1``): tiles moved by
 tensor descriptors made on the device (TMA on sm_90; Triton lowers them to plain loads on older archs), the
-scale folded into one multiply-add with the running max, and with ``WARP_SPECIALIZE = 1`` the key loop split
-into producer and consumer warps (one masked loop: see the kernel). The descriptors are made on the device,
+scale folded into one multiply-add with the running max. The descriptors are made on the device,
 one per (batch, head), their scratch from ``triton.set_allocator`` (installed on first use in each thread,
-unless the caller set one); with ``HOST_DESC = 1`` (no WS) the host makes one per tensor where the sequence
-fills the tiles (the prefill sizes), as the tutorial does on Hopper without WS.
+unless the caller set one); with ``HOST_DESC = 1`` the host makes one per tensor where the sequence
+fills the tiles (the prefill sizes), as the tutorial does on Hopper. Triton 3.6's warp specialisation of the
+key loop is not offered: it compiles only with a single (fully masked) key loop, and on an H100 every such
+config gave wrong output (max error 0.97 and NaN at 256 tokens, docs/gpu.md, run of 2026-11-28).
 
 On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
 interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
@@ -39,26 +40,22 @@ import kernelpack.kernels.spec as spec
 NAME = "flash_attn"
 LOG2E = 1.4426950408889634
 # switches between code paths (0 or 1): TMA selects the tensor-descriptor (Hopper) kernel; with it,
-# WARP_SPECIALIZE Triton's warp specialisation of its key loop, or HOST_DESC descriptors made on the host
-# (the tutorial's non-WS Hopper setup) where the sequence fills the tiles
-FLAGS = ("TMA", "WARP_SPECIALIZE", "HOST_DESC")
+# HOST_DESC descriptors made on the host (the tutorial's Hopper setup) where the sequence fills the tiles
+FLAGS = ("TMA", "HOST_DESC")
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 0,
-                                  "WARP_SPECIALIZE": 0, "HOST_DESC": 0}
+                                  "HOST_DESC": 0}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = [
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "WARP_SPECIALIZE": 0, "HOST_DESC": 0}
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "HOST_DESC": 0}
     for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
                        (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))
 ] + [  # the Hopper path, from the attention tutorial's sm_90 space (BLOCK_M 128, BLOCK_N 64/128, 4/8 warps); every
     # one fits the H100's 227 KiB of shared memory at head_dim 128 (compiled for sm_90 on the CPU; left out:
-    # 128x128 with 4 warps, 3 stages: 2 KiB of spills without WS, 257 KiB of shared memory with it); WS only
-    # with 4 warps (Triton 3.6 compiles it to the same code as without at 8)
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "WARP_SPECIALIZE": ws,
-     "HOST_DESC": hd}
-    for m, n, w, s, ws, hd in ((128, 128, 8, 3, 0, 0), (128, 128, 8, 2, 0, 0), (128, 64, 8, 3, 0, 0),
-                               (128, 64, 8, 4, 0, 0), (128, 64, 4, 3, 0, 0), (64, 64, 4, 3, 0, 0),
-                               (128, 128, 4, 2, 1, 0), (128, 64, 4, 3, 1, 0), (128, 64, 4, 4, 1, 0),
-                               (128, 128, 8, 3, 0, 1), (128, 64, 8, 3, 0, 1), (128, 64, 4, 3, 0, 1))
+    # 128x128 with 4 warps, 3 stages: 2 KiB of spills)
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "HOST_DESC": hd}
+    for m, n, w, s, hd in ((128, 128, 8, 3, 0), (128, 128, 8, 2, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0),
+                           (128, 64, 4, 3, 0), (64, 64, 4, 3, 0), (128, 128, 8, 3, 1), (128, 64, 8, 3, 1),
+                           (128, 64, 4, 3, 1))
 ]
 
 
@@ -164,7 +161,7 @@ def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, o
 @triton.jit
 def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HOST_DESC: tl.constexpr):
+                        INTERPRETED: tl.constexpr, HOST_DESC: tl.constexpr):
     """The Hopper path: tiles moved by tensor descriptors (TMA on sm_90). Made on the device, one per
     (batch, head) and tensor (scratch from ``triton.set_allocator``), bounded at ``seq`` rows: a tile past the
     end reads zeros and its store is clipped. With HOST_DESC the host made one per tensor over all rows (no
@@ -196,10 +193,6 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     full_hi = (start_m * BLOCK_M // BLOCK_N) * BLOCK_N  # key blocks entirely left of the diagonal
     diag_hi = tl.minimum((start_m + 1) * BLOCK_M, seq)
-    # Triton 3.6's Hopper warp specialisation compiles a kernel with one key loop only (a second loop or a
-    # block after it fails in its NVGPUWarpSpecialization pass): with WARP_SPECIALIZE every key block is masked
-    if WARP_SPECIALIZE:
-        full_hi = 0
     if INTERPRETED:
         start_n = 0
         while start_n < full_hi:
@@ -210,10 +203,6 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
             acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
                                             MASKED=True, DOT_F32=True)
             start_n += BLOCK_N
-    elif WARP_SPECIALIZE:
-        for start_n in tl.range(0, diag_hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
-                                            MASKED=True, DOT_F32=False)
     else:
         for start_n in tl.range(0, full_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -230,13 +219,10 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
 
 
 def _config(config: spec.LaunchConfig) -> dict[str, int]:
-    """The validated launch config of a call (WARP_SPECIALIZE only on the TMA path)."""
+    """The validated launch config of a call (HOST_DESC only on the TMA path)."""
     cfg = spec.launch_config(NAME, DEFAULT_CONFIG, config, flags=FLAGS)
-    for flag in ("WARP_SPECIALIZE", "HOST_DESC"):
-        if cfg[flag] and not cfg["TMA"]:
-            raise ValueError(f"{NAME}: launch config {flag}=1 needs TMA=1 (the tensor-descriptor path)")
-    if cfg["WARP_SPECIALIZE"] and cfg["HOST_DESC"]:
-        raise ValueError(f"{NAME}: launch config WARP_SPECIALIZE=1 takes device-made descriptors (HOST_DESC=0)")
+    if cfg["HOST_DESC"] and not cfg["TMA"]:
+        raise ValueError(f"{NAME}: launch config HOST_DESC=1 needs TMA=1 (the tensor-descriptor path)")
     return cfg
 
 
@@ -311,8 +297,7 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
         elif not interpreted:
             _ensure_allocator()
         _flash_attn_fwd_tma[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-                                  WARP_SPECIALIZE=bool(cfg["WARP_SPECIALIZE"]), INTERPRETED=interpreted,
-                                  HOST_DESC=host, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                  INTERPRETED=interpreted, HOST_DESC=host, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         _flash_attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -370,8 +355,8 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     fn, extra = _flash_attn_fwd, {}
     if cfg["TMA"]:
         fn = _flash_attn_fwd_tma
-        extra = {"WARP_SPECIALIZE": bool(cfg["WARP_SPECIALIZE"]), "HOST_DESC": bool(cfg["HOST_DESC"])}
-        sig = {**sig, "WARP_SPECIALIZE": "constexpr", "HOST_DESC": "constexpr"}
+        extra = {"HOST_DESC": bool(cfg["HOST_DESC"])}
+        sig = {**sig, "HOST_DESC": "constexpr"}
     specs = []
     for d in HEAD_DIMS:
         s = dict(sig)
