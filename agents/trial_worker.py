@@ -14,91 +14,24 @@ address space (RLIMIT_AS) so a runaway allocation fails as a real allocation fai
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import math
 import os
 import random
-import resource
-import signal
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from agents.trial_child import TrialFailure, classify, die_with_parent, limit_memory
 from agents.trial_latency import token_dim
 from agents.trial_protocol import WorkerResult, WorkerSpec, write_json_atomic
 
 MAX_ERR = 1e30  # the wire's ceiling for an error value; inf/NaN errors are reported as this
-
-
-class TrialFailure(Exception):
-    """Ends the trial with ``outcome`` (raised by the phases)."""
-
-    def __init__(self, outcome: str, detail: str) -> None:
-        super().__init__(detail)
-        self.outcome = outcome
-        self.detail = detail
-
-
-def _die_with_parent(agent_pid: int | None) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if agent_pid is not None and os.getppid() != agent_pid:
-        sys.exit(3)  # the agent died before we could arm the death signal
-
-
-def _vm_size_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _limit_memory(budget: int | None) -> None:
-    if not budget:
-        return
-    limit = _vm_size_bytes() + budget
-    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
-def classify(exc: BaseException) -> tuple[str, str]:
-    """Map an exception raised by candidate code to (outcome, detail)."""
-    import torch
-
-    name = type(exc).__name__
-    msg = str(exc)
-    first = msg.strip().splitlines()[0][:400] if msg.strip() else ""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))[-2500:]
-    text = f"{name}: {first}\n{tb}"
-    low = msg.lower()
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in low or (
-        "out of memory" in low and "cuda error: an illegal" not in low
-    ):
-        return "oom", text
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-    except ImportError:  # pragma: no cover
-        CompilationError = OutOfResources = ()  # type: ignore[assignment,misc]
-    if isinstance(exc, (CompilationError, OutOfResources)) or "CompilationError" in name:
-        return "compile_error", text
-    return "crash", text
 
 
 class Worker:
@@ -167,7 +100,7 @@ class Worker:
 
             from kernelpack.errors import BundleError
             from kernelpack.loader import load_bundle, unsupported_reason
-        _limit_memory(spec.memory_limit_bytes if spec.device == "cpu" else None)
+        limit_memory(spec.memory_limit_bytes if spec.device == "cpu" else None)
         knobs.cache.dir = str(Path(spec.loader_cache_dir) / "triton" / "trials")
         self.device = torch.device(spec.device)
         with self.phase("load"):
@@ -616,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m agents.trial_worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec = WorkerSpec.model_validate_json(Path(args[0]).read_bytes())
-    _die_with_parent(spec.agent_pid)
+    die_with_parent(spec.agent_pid)
     with suppress(OSError):
         os.nice(10)
     result = Worker(spec).run()
