@@ -9,8 +9,9 @@ reports from nodes that are not current canaries of a live rollout are refused o
 Heartbeats are served by every replica from its desired-state snapshot (``controller.desired``): a heartbeat
 that changes nothing but liveness costs no transaction, and one that carries ``generation`` and
 ``wait_seconds`` is held until the node's desired state changes (push). Writes (registrations, heartbeats that
-change something, report batches) wait at most ``max_pending_writes`` at once per replica; more are answered
-503 with ``Retry-After`` (agents back off with jitter and keep their outbox).
+change something) and report batches each wait at most ``max_pending_writes`` at once per replica, on their own
+threads (``controller.desired.lanes``); more are answered 503 with ``Retry-After`` (agents back off with jitter
+and keep their outbox).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 
 from controller import ingest, registry
 from controller.api import heartbeat_lane
-from controller.api.body import json_body, openapi_body, too_many
+from controller.api.body import is_json, openapi_body, parse_body, too_many
 from controller.api.deps import AppState, CurrentPrincipal, State, bearer_token
 from controller.auth import Forbidden, Principal, require_node, require_role
 from controller.db.models import utcnow
@@ -80,15 +81,23 @@ async def heartbeat(req: wire.HeartbeatRequest, request: Request, principal: Cur
 async def reports(request: Request, principal: CurrentPrincipal, state: State) -> Response:
     """Ingest a batch of trial reports; replayed idempotency keys count once.
 
+    Admitted first (the report lane, ``controller.desired.lanes``: too many waiting is 503 with Retry-After
+    before a byte is parsed), then parsed, validated and stored in one worker thread, never in the event loop.
     The body (``wire.ReportBatch``) is validated in one pass from its bytes, with FastAPI's 422 answers
     (``controller.api.body``)."""
-    batch = await json_body(request, wire.ReportBatch, max_items=("reports", state.settings.max_report_batch))
-    require_node(principal, batch.node_name)
+    body = await request.body()
     try:
-        reply = await state.hub.writers.slow(_reports, batch, state)
+        reply = await state.hub.writers.ingest(_parse_and_ingest, body, is_json(request.headers.get("content-type")),
+                                               principal, state)
     except Overloaded as exc:
         return _overloaded(exc)
     return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
+
+
+def _parse_and_ingest(body: bytes, json_type: bool, principal: Principal, state: AppState) -> wire.ReportBatchResponse:
+    batch = parse_body(body, json_type, wire.ReportBatch, max_items=("reports", state.settings.max_report_batch))
+    require_node(principal, batch.node_name)
+    return _reports(batch, state)
 
 
 def _reports(batch: wire.ReportBatch, state: AppState) -> wire.ReportBatchResponse:

@@ -8,7 +8,7 @@
 * :class:`~controller.desired.liveness.LivenessBuffer` (``liveness.py``): heartbeat times and staged versions
   of the heartbeats answered from memory, one lock, written in batches;
 * :class:`~controller.desired.writers.Writers` (``writers.py``): group-committed registrations and switches,
-  and the bounded one-transaction path.
+  the bounded one-transaction path and report ingest, on two lanes of worker threads (``lanes.py``).
 
 A heartbeat (:meth:`DesiredHub.heartbeat`) is answered from the snapshot when its effects
 (:func:`controller.desired.effects.heartbeat_effects`) are liveness only; a version switch is group-committed;
@@ -61,11 +61,12 @@ class DesiredHub:
                  metrics: Any = None) -> None:
         self.flush_seconds = liveness_flush_seconds
         self.waiters = Waiters(max_watches_per_node)
-        self.store = DesiredStore(factory, self.waiters, poll_seconds=poll_seconds,
-                                  min_reload_seconds=min_reload_seconds, metrics=metrics)
-        self.liveness = LivenessBuffer(factory, metrics)
         self.writers = Writers(factory, max_pending_writes=max_pending_writes, max_queued_writes=max_queued_writes,
                                metrics=metrics)
+        self.control = self.writers.control.executor  # reloads and flushes: never behind report ingest
+        self.store = DesiredStore(factory, self.waiters, poll_seconds=poll_seconds,
+                                  min_reload_seconds=min_reload_seconds, metrics=metrics, executor=self.control)
+        self.liveness = LivenessBuffer(factory, metrics)
         postgres = factory.kw["bind"].dialect.name == "postgresql"
         self.listener = Listener(database_url, self.store.notified) if postgres else None
         self._tasks: list[asyncio.Task[None]] = []
@@ -94,14 +95,15 @@ class DesiredHub:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.writers.stop()
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.liveness.flush)
+            await asyncio.get_running_loop().run_in_executor(self.control, self.liveness.flush)
+        self.writers.close()
         self.waiters.wake_all()
 
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.flush_seconds)
             try:
-                await asyncio.to_thread(self.liveness.flush)
+                await asyncio.get_running_loop().run_in_executor(self.control, self.liveness.flush)
             except Exception as exc:  # kept for the next flush
                 log.warning("liveness flush failed (kept): %s", first_line(exc))
 

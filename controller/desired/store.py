@@ -8,7 +8,8 @@ nodes whose desired state changed, once.
 
 Reloads: when the generation moves without a complete patch (PostgreSQL ``LISTEN``, a partial patch, a poll
 of the counter every ``poll_seconds`` as a safety net, a node the snapshot does not know). They are
-coalesced: at most one per ``min_reload_seconds``, and reloading at most a third of the time.
+coalesced: at most one per ``min_reload_seconds``, and reloading at most a third of the time. They run on
+``executor`` (the control lane's threads, ``controller.desired.lanes``): never behind report ingest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,8 +36,9 @@ NOTIFY_DEFER_SECONDS = 0.05  # a NOTIFY is looked at this much later (this proce
 
 class DesiredStore:
     def __init__(self, factory: sessionmaker[Session], waiters: Waiters, *, poll_seconds: float = 2.0,
-                 min_reload_seconds: float = 0.05, metrics: Any = None) -> None:
+                 min_reload_seconds: float = 0.05, metrics: Any = None, executor: Executor | None = None) -> None:
         self.factory = factory
+        self.executor = executor  # None: the event loop's default executor
         self.waiters = waiters
         self.poll_seconds = poll_seconds
         self.min_reload_seconds = min_reload_seconds
@@ -139,7 +142,7 @@ class DesiredStore:
         """The first snapshot (the database may be down at start: the reload loop retries)."""
         self._loop = asyncio.get_running_loop()
         with contextlib.suppress(Exception):
-            self.install(await asyncio.to_thread(load_snapshot, self.factory))
+            self.install(await self._loop.run_in_executor(self.executor, load_snapshot, self.factory))
 
     async def run(self) -> None:
         while True:
@@ -150,7 +153,8 @@ class DesiredStore:
             started = time.perf_counter()
             unknown, self._unknown = self._unknown, False
             try:
-                snap = await asyncio.to_thread(self._load_if_newer, self.snapshot.generation, unknown)
+                snap = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._load_if_newer, self.snapshot.generation, unknown)
             except Exception as exc:  # database down: keep serving the last snapshot, retry on the next poll
                 log.warning("desired-state reload failed: %s", first_line(exc))
                 snap = None
