@@ -8,8 +8,8 @@ for a thread (docs/benchmarks.md, issue 28). Two lanes, each its own pool:
 
 * ``control``: group commits (registrations, switches), the full heartbeat transaction, snapshot reloads and
   liveness flushes;
-* ``ingest``: report batches (their parse and validation and their transaction), few threads (they are CPU
-  work under one GIL: more threads only take turns), a bounded number admitted at once.
+* ``reports``: report batches (their parse and validation and their transaction), few threads (they are CPU
+  work under one GIL: more threads only take turns), or worker processes (``controller.intake``).
 
 A lane admits at most ``max_pending`` calls at once (running or waiting for a thread); one more is refused with
 :class:`~controller.errors.Overloaded` (503 and Retry-After; agents back off with jitter and keep what they
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from controller.errors import Overloaded
@@ -34,11 +34,12 @@ INGEST_THREADS = 2  # report batches: parsing and ORM work hold the GIL, so more
 class Lane:
     """One pool of worker threads with admission (see the module docstring)."""
 
-    def __init__(self, name: str, threads: int, max_pending: int, metrics: Any = None) -> None:
+    def __init__(self, name: str, threads: int, max_pending: int, metrics: Any = None,
+                 executor: Executor | None = None) -> None:
         self.name = name
         self.max_pending = max_pending
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kctl-{name}")
+        self.executor = executor or ThreadPoolExecutor(threads, thread_name_prefix=f"kctl-{name}")
         self.pending = 0  # admitted calls, running or waiting for a thread (changed only in the event loop)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -53,6 +54,7 @@ class Lane:
         finally:
             self.pending -= 1
 
-    def shutdown(self) -> None:
-        """Stop taking work; calls not started yet are cancelled, running ones finish in their threads."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop taking work; calls not started yet are cancelled, running ones finish (``wait``: and the
+        threads or worker processes have ended when this returns)."""
+        self.executor.shutdown(wait=wait, cancel_futures=True)
