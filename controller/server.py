@@ -90,13 +90,14 @@ def _upgrade_embedded_database(url: str) -> None:
 
 def settle_heap() -> None:
     """Before serving: what start-up built (modules, the app and its state) lives as long as the process, so it
-    is frozen out of the cyclic garbage collector's scans (``gc.freeze``), and young collections come every
-    10,000 allocations instead of 700. Measured (docs/benchmarks.md, issue 28): at 1,000 nodes the collector's
+    is frozen out of the cyclic garbage collector's scans (``gc.freeze``), young collections come every 10,000
+    allocations instead of 700, and a full collection is considered after 100 middle ones instead of 10 (each
+    full one scans every live object: at 10,000 nodes the watches, connections and snapshot, 0.5-2 s). Measured (docs/benchmarks.md, issue 28): at 1,000 nodes the collector's
     full collections scanned that start-up heap every 1-3 s, 0.2-0.5 s each, with the GIL held: the event loop
     (heartbeats, watches, every reply) stood still for as long."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(10_000, *gc.get_threshold()[1:])
+    gc.set_threshold(10_000, 10, 100)
 
 
 FD_RESERVE = 256  # descriptors kept from connections: database pool, log and data files, listener, the
