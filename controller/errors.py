@@ -6,6 +6,7 @@ Every message is one line that says what is wrong (which rollout, which stratum,
 from __future__ import annotations
 
 import math
+import random
 
 
 class KernelctlError(Exception):
@@ -55,6 +56,11 @@ class Overloaded(KernelctlError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+    @classmethod
+    def busy(cls, message: str) -> Overloaded:
+        """Refused for load: the client is told 1-5 s, spread so that the retries do not arrive together."""
+        return cls(message, round(1.0 + 4.0 * random.random(), 1))
 
     @property
     def retry_after_header(self) -> str:

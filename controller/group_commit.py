@@ -9,15 +9,17 @@ batch (nothing was committed) because the database refused something in it, each
 own, so a row the database refuses fails only its own request; a database that is down (``OperationalError``)
 fails the batch alike. More than ``max_queued`` items waiting raise
 :class:`~controller.errors.Overloaded` (503 + Retry-After) at once instead of queueing without bound.
+Batches run on ``executor`` (the replica's control-plane threads: ``controller.desired.lanes``), never behind
+the report ingest's work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.exc import OperationalError
@@ -31,8 +33,9 @@ class GroupCommit(Generic[Item]):
     """One queue and one writer task (see the module docstring); start it inside the running event loop."""
 
     def __init__(self, name: str, write: Callable[[list[Item]], Sequence[Any]], *, max_batch: int = 500,
-                 max_queued: int = 5000, metrics: Any = None) -> None:
+                 max_queued: int = 5000, metrics: Any = None, executor: Executor | None = None) -> None:
         self.name = name
+        self.executor = executor  # None: the event loop's default executor
         self.write = write
         self.max_batch = max_batch
         self.max_queued = max_queued
@@ -63,8 +66,7 @@ class GroupCommit(Generic[Item]):
         if len(self._queue) >= self.max_queued:
             if self.metrics is not None:
                 self.metrics.overload.labels(self.name).inc()
-            raise Overloaded(f"controller busy: {len(self._queue)} {self.name} writes queued; retry later",
-                             retry_after=round(1.0 + 4.0 * random.random(), 1))
+            raise Overloaded.busy(f"controller busy: {len(self._queue)} {self.name} writes queued; retry later")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((item, fut))
         self._wake.set()
@@ -97,7 +99,8 @@ class GroupCommit(Generic[Item]):
                 if not live:
                     continue
                 started = time.perf_counter()
-                results = await asyncio.to_thread(self._write_isolated, [item for item, _ in live])
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._write_isolated, [item for item, _ in live])
                 if self.metrics is not None:
                     self.metrics.group_commit.labels(self.name).observe(time.perf_counter() - started)
                     self.metrics.group_commit_items.labels(self.name).observe(len(live))

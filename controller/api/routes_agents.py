@@ -9,8 +9,9 @@ reports from nodes that are not current canaries of a live rollout are refused o
 Heartbeats are served by every replica from its desired-state snapshot (``controller.desired``): a heartbeat
 that changes nothing but liveness costs no transaction, and one that carries ``generation`` and
 ``wait_seconds`` is held until the node's desired state changes (push). Writes (registrations, heartbeats that
-change something, report batches) wait at most ``max_pending_writes`` at once per replica; more are answered
-503 with ``Retry-After`` (agents back off with jitter and keep their outbox).
+change something) and report batches each wait at most ``max_pending_writes`` at once per replica, on their own
+threads (``controller.desired.lanes``); more are answered 503 with ``Retry-After`` (agents back off with jitter
+and keep their outbox).
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import IntegrityError
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
+from starlette.concurrency import run_in_threadpool
 
-from controller import ingest, registry
 from controller.api import heartbeat_lane
-from controller.api.body import json_body, openapi_body, too_many
-from controller.api.deps import AppState, CurrentPrincipal, State, bearer_token
+from controller.api.body import is_json, openapi_body, parse_body
+from controller.api.deps import CurrentPrincipal, State, bearer_token
 from controller.auth import Forbidden, Principal, require_node, require_role
-from controller.db.models import utcnow
 from controller.enrollment import Registration
 from controller.errors import Invalid, Overloaded
 from kernelctl import wire
@@ -80,42 +78,29 @@ async def heartbeat(req: wire.HeartbeatRequest, request: Request, principal: Cur
 async def reports(request: Request, principal: CurrentPrincipal, state: State) -> Response:
     """Ingest a batch of trial reports; replayed idempotency keys count once.
 
-    The body (``wire.ReportBatch``) is validated in one pass from its bytes, with FastAPI's 422 answers
-    (``controller.api.body``)."""
-    batch = await json_body(request, wire.ReportBatch, max_items=("reports", state.settings.max_report_batch))
-    require_node(principal, batch.node_name)
+    Admitted first (the report lane, ``controller.desired.lanes``: too many waiting is 503 with Retry-After
+    before a byte is parsed), then parsed, validated and stored off the event loop (``controller.intake``: in a
+    worker thread, or a worker process with ``ingest_processes``). The body (``wire.ReportBatch``) is validated
+    in one pass from its bytes, with FastAPI's 422 answers (``controller.api.body``)."""
+    body = await request.body()
+    json_type = is_json(request.headers.get("content-type"))
     try:
-        reply = await state.hub.writers.slow(_reports, batch, state)
+        out = await state.hub.writers.ingest(body, json_type, principal)
     except Overloaded as exc:
         return _overloaded(exc)
-    return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
-
-
-def _reports(batch: wire.ReportBatch, state: AppState) -> wire.ReportBatchResponse:
-    if len(batch.reports) > state.settings.max_report_batch:  # a body json_body could not count first
-        raise Invalid(f"reports: {too_many('reports', len(batch.reports), state.settings.max_report_batch)}")
-    try:
-        accepted, duplicates, refused = _ingest(state, batch)
-    except Exception:
-        state.metrics.reports_ingested.labels("rejected").inc(len(batch.reports))
-        raise
-    if accepted:
-        state.metrics.reports_ingested.labels("accepted").inc(accepted)
-    if duplicates:
-        state.metrics.reports_ingested.labels("duplicate").inc(duplicates)
-    for reason, _message in refused.values():
-        state.metrics.reports_refused.labels(reason).inc()
-    if not refused:  # the common case keeps the historical shape {"accepted", "duplicates"}
-        return wire.ReportBatchResponse(accepted=accepted, duplicates=duplicates)
-    return wire.ReportBatchResponse(accepted=accepted, duplicates=duplicates,
-                                    refused={k: m for k, (_r, m) in refused.items()})
-
-
-@retry(retry=retry_if_exception_type(IntegrityError), stop=stop_after_attempt(3), wait=wait_random(0, 0.05),
-       reraise=True)
-def _ingest(state, batch: wire.ReportBatch):  # type: ignore[no-untyped-def]
-    # A concurrent replay of the same batch loses the unique-key race: retrying sees the keys as duplicates.
-    # a canary verified here (trial before serve) is declared by mark_verified: the node's watch answers at once
-    with state.tx() as session:
-        node = registry.get_node(session, batch.node_name)
-        return ingest.ingest_batch(session, node, batch, utcnow())
+    if out.invalid:  # FastAPI's exact answer to the body, made here (it raises)
+        await run_in_threadpool(parse_body, body, json_type, wire.ReportBatch,
+                                ("reports", state.settings.max_report_batch))
+        raise Invalid("reports: the body did not validate")  # not reached: the same parse refused it there
+    m = state.metrics
+    if out.error is not None:
+        m.reports_ingested.labels("rejected").inc(out.reports)
+        raise out.error
+    assert out.reply is not None
+    if out.reply.accepted:
+        m.reports_ingested.labels("accepted").inc(out.reply.accepted)
+    if out.reply.duplicates:
+        m.reports_ingested.labels("duplicate").inc(out.reply.duplicates)
+    for reason in out.refused_reasons:
+        m.reports_refused.labels(reason).inc()
+    return Response(out.reply.model_dump_json(exclude_unset=True), media_type="application/json")

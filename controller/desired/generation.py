@@ -30,7 +30,19 @@ CHANNEL = "kernelctl_desired"
 PATCH = "kctl_desired_patch"  # session.info: the Patch this transaction declared (present: it changed desired state)
 GENERATION = "kctl_generation"
 LAST_GENERATION = "kctl_last_generation"  # the value the last commit of this session bumped to (kept)
-KEEP = object()  # PatchRow.active_id: the write did not touch the row's active version
+
+
+class _Keep:
+    """PatchRow.active_id: the write did not touch the row's active version (one object, in every process)."""
+
+    def __reduce__(self) -> str:
+        return "KEEP"  # unpickled as this module's KEEP: a patch from a report worker process keeps meaning it
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP = _Keep()
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 * :class:`~controller.desired.liveness.LivenessBuffer` (``liveness.py``): heartbeat times and staged versions
   of the heartbeats answered from memory, one lock, written in batches;
 * :class:`~controller.desired.writers.Writers` (``writers.py``): group-committed registrations and switches,
-  and the bounded one-transaction path.
+  the bounded one-transaction path and report ingest, on two lanes of worker threads (``lanes.py``).
 
 A heartbeat (:meth:`DesiredHub.heartbeat`) is answered from the snapshot when its effects
 (:func:`controller.desired.effects.heartbeat_effects`) are liveness only; a version switch is group-committed;
@@ -58,14 +58,17 @@ class DesiredHub:
     def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
                  min_reload_seconds: float = 0.05, liveness_flush_seconds: float = 1.0,
                  max_pending_writes: int = 64, max_queued_writes: int = 16384, max_watches_per_node: int = 4,
-                 metrics: Any = None) -> None:
+                 ingest_processes: int = 0, max_report_batch: int = 1000, metrics: Any = None) -> None:
         self.flush_seconds = liveness_flush_seconds
         self.waiters = Waiters(max_watches_per_node)
-        self.store = DesiredStore(factory, self.waiters, poll_seconds=poll_seconds,
-                                  min_reload_seconds=min_reload_seconds, metrics=metrics)
-        self.liveness = LivenessBuffer(factory, metrics)
         self.writers = Writers(factory, max_pending_writes=max_pending_writes, max_queued_writes=max_queued_writes,
-                               metrics=metrics)
+                               metrics=metrics, ingest_processes=ingest_processes, database_url=database_url,
+                               max_report_batch=max_report_batch,
+                               on_commit=lambda generation, patch: self.store.committed(generation, patch))
+        self.control = self.writers.control.executor  # reloads and flushes: never behind report ingest
+        self.store = DesiredStore(factory, self.waiters, poll_seconds=poll_seconds,
+                                  min_reload_seconds=min_reload_seconds, metrics=metrics, executor=self.control)
+        self.liveness = LivenessBuffer(factory, metrics)
         postgres = factory.kw["bind"].dialect.name == "postgresql"
         self.listener = Listener(database_url, self.store.notified) if postgres else None
         self._tasks: list[asyncio.Task[None]] = []
@@ -94,14 +97,15 @@ class DesiredHub:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.writers.stop()
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.liveness.flush)
+            await asyncio.get_running_loop().run_in_executor(self.control, self.liveness.flush)
+        self.writers.close()
         self.waiters.wake_all()
 
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.flush_seconds)
             try:
-                await asyncio.to_thread(self.liveness.flush)
+                await asyncio.get_running_loop().run_in_executor(self.control, self.liveness.flush)
             except Exception as exc:  # kept for the next flush
                 log.warning("liveness flush failed (kept): %s", first_line(exc))
 

@@ -5,7 +5,7 @@ the generation it reflects (:func:`load_snapshot`). Desired state is computed wi
 the database path (:func:`controller.assignments.build_desired`) and memoised per (stratum, CPU node,
 assignment rows): the nodes of a stratum that run its stable version share one answer (the memo is a cache of
 that pure function, the only thing a snapshot fills in after it is built). A snapshot is never changed:
-:meth:`Snapshot.patched` and :meth:`Snapshot.with_node` return a new one sharing what did not change.
+:meth:`Snapshot.patched` and :meth:`Snapshot.with_nodes` return a new one sharing what did not change.
 :meth:`Snapshot.fast_path` asks :func:`controller.desired.effects.heartbeat_effects` whether a heartbeat's
 effects are liveness only; only then is it answered from memory.
 """
@@ -121,10 +121,10 @@ class Snapshot:
         return replace(self, generation=generation if whole else self.generation, nodes=_frozen(nodes),
                        strata_state=_frozen(strata), _memo=memo)
 
-    def with_node(self, node: NodeView) -> Snapshot:
-        """This snapshot knowing a node registered after it was loaded."""
-        return replace(self, nodes=_frozen({**self.nodes, node.name: node}), by_id=_frozen({**self.by_id,
-                                                                                             node.id: node.name}))
+    def with_nodes(self, nodes: list[NodeView]) -> Snapshot:
+        """This snapshot knowing nodes registered after it was loaded (one copy for all of them)."""
+        return replace(self, nodes=_frozen({**self.nodes, **{n.name: n for n in nodes}}),
+                       by_id=_frozen({**self.by_id, **{n.id: n.name for n in nodes}}))
 
     # ----------------------------------------------------------------------------- heartbeats
     def staged_changes(self, node: NodeView, req: wire.HeartbeatRequest) -> dict[str, tuple[str, ...]]:

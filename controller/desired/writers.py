@@ -3,8 +3,12 @@ and the one-transaction heartbeat, each bounded (more waiting: 503 with ``Retry-
 
 * registrations: ``controller.enrollment.register_many`` per batch (``controller.group_commit``);
 * switches: ``controller.switches.record_switches`` per batch (heartbeats whose news is a version switch);
-* the full heartbeat transaction (``registry.heartbeat``) and report batches: :meth:`Writers.slow`, in a worker
-  thread, at most ``max_pending_writes`` at once.
+* the full heartbeat transaction (``registry.heartbeat``): :meth:`Writers.slow`, at most ``max_pending_writes``
+  at once;
+* report batches: :meth:`Writers.ingest` (``controller.intake``), on their own lane (``controller.desired.lanes``)
+  of threads or worker processes, at most ``max_pending_writes`` at once.
+
+Everything but report ingest runs on the control lane's threads.
 
 A batch the database aborted to break a lock cycle (with the liveness flush, the tick) is written again.
 """
@@ -13,14 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import random
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
+from controller import intake
+from controller.auth import Principal
 from controller.db.engine import aborted_by_lock_cycle, session_scope
-from controller.desired.generation import LAST_GENERATION, read_generation
+from controller.desired.generation import LAST_GENERATION, Patch, read_generation
+from controller.desired.lanes import CONTROL_THREADS, INGEST_THREADS, Lane
 from controller.enrollment import Registration, register_many
 from controller.errors import Overloaded
 from controller.group_commit import GroupCommit
@@ -30,23 +39,32 @@ from kernelctl import wire
 
 GROUP_RETRY = retry(retry=retry_if_exception(aborted_by_lock_cycle), stop=stop_after_attempt(5),
                     wait=wait_random(0.01, 0.1), reraise=True)
-
-
-def retry_after() -> float:
-    return round(1.0 + 4.0 * random.random(), 1)
+T = TypeVar("T")
 
 
 class Writers:
+    """The replica's agent writes and its two lanes of worker threads (``control`` is shared with the hub's
+    reloads and liveness flushes)."""
+
     def __init__(self, factory: sessionmaker[Session], *, max_pending_writes: int = 64,
-                 max_queued_writes: int = 16384, metrics: Any = None) -> None:
+                 max_queued_writes: int = 16384, metrics: Any = None, ingest_processes: int = 0,
+                 database_url: str = "", max_report_batch: int = 1000,
+                 on_commit: Callable[[int, Patch], None] | None = None) -> None:
         self.factory = factory
         self.max_pending_writes = max_pending_writes
         self.metrics = metrics
-        self._pending = 0
+        self.max_report_batch = max_report_batch
+        self.on_commit = on_commit  # a report worker process's commits, told to this process's store
+        self.control = Lane("writes", CONTROL_THREADS, max_pending_writes, metrics)
+        self._processes = ingest_processes
+        self._database_url = database_url
+        self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics, executor=self._pool())
         self.registrations: GroupCommit[Registration] = GroupCommit(
-            "registrations", self._write_registrations, max_queued=max_queued_writes, metrics=metrics)
+            "registrations", self._write_registrations, max_queued=max_queued_writes, metrics=metrics,
+            executor=self.control.executor)
         self.switches: GroupCommit[Switch] = GroupCommit(
-            "switches", self._write_switches, max_queued=max_queued_writes, metrics=metrics)
+            "switches", self._write_switches, max_queued=max_queued_writes, metrics=metrics,
+            executor=self.control.executor)
 
     def start(self) -> None:
         self.registrations.start()
@@ -55,6 +73,11 @@ class Writers:
     async def stop(self) -> None:
         await self.registrations.stop()
         await self.switches.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.reports.shutdown, True)  # workers ended
+
+    def close(self) -> None:
+        """After :meth:`stop` and the hub's last flush: the control lane's threads end."""
+        self.control.shutdown()
 
     @GROUP_RETRY
     def _write_registrations(self, items: list[Registration]) -> list[Any]:
@@ -69,17 +92,32 @@ class Writers:
             else None
         return [(r, gen) for r in results]
 
-    async def slow(self, fn: Any, *args: Any) -> Any:
-        """Run a write in a worker thread, refusing with 503 + Retry-After when too many already wait."""
-        if self._pending >= self.max_pending_writes:
-            if self.metrics is not None:
-                self.metrics.overload.labels("writes").inc()
-            raise Overloaded(f"controller busy: {self._pending} writes waiting; retry later", retry_after())
-        self._pending += 1
+    async def slow(self, fn: Callable[..., T], *args: Any) -> T:
+        """A write on the control lane, refused with 503 + Retry-After when too many already wait."""
+        return await self.control.run(fn, *args)
+
+    def _pool(self) -> ProcessPoolExecutor | None:
+        if not self._processes:
+            return None
+        pool = intake.worker_pool(self._processes, self._database_url, self.max_report_batch)
+        intake.warm(pool, self._processes)
+        return pool
+
+    async def ingest(self, body: bytes, json_type: bool, principal: Principal) -> intake.Outcome:
+        """A report request (``controller.intake.take``) on the report lane, refused with 503 + Retry-After when
+        too many already wait: admission comes before the body is parsed."""
+        if not self._processes:
+            return await self.reports.run(intake.take, self.factory, body, json_type, principal,
+                                          self.max_report_batch)
         try:
-            return await asyncio.to_thread(fn, *args)
-        finally:
-            self._pending -= 1
+            out = await self.reports.run(intake.take_in_worker, body, json_type, principal)
+        except BrokenProcessPool:  # a worker died (killed, out of memory): nothing of this request was answered
+            self.reports.executor = self._pool() or self.reports.executor
+            raise Overloaded.busy("report worker process restarted; retry later") from None
+        for generation, patch in out.patches:
+            if self.on_commit is not None:
+                self.on_commit(generation, patch)
+        return out
 
     def heartbeat(self, req: wire.HeartbeatRequest, heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int]:
         """(worker thread) ``registry.heartbeat`` in one transaction; the reply and a generation covering it."""

@@ -45,6 +45,9 @@ def fleet_command(
                                             "canary downloads it, as real agents do)."),
     lost_reply_share: float = typer.Option(0.02, "--lost-reply-share", min=0.0, max=1.0,
                                            help="Share of registration replies lost on purpose (retried)."),
+    ingest_processes: int = typer.Option(0, "--ingest-processes", min=0, max=64,
+                                         help="The controller's report worker processes (KERNELCTL_INGEST_PROCESSES; "
+                                              "0: two threads of the API process)."),
     bundle_cache: Path | None = typer.Option(None, "--bundle-cache",
                                              help="Where the signed simulation bundles are built once "
                                                   "(default: the user cache dir)."),
@@ -61,7 +64,8 @@ def fleet_command(
                       heartbeat_seconds=heartbeat_seconds, tick_seconds=tick_seconds, connections=connections,
                       margin_pct=margin_pct, seed=seed, stale_after=stale_after,
                       bundle_cache=bundle_cache, trial_interval=trial_interval, report_kb=report_kb,
-                      download_per_agent=not download_once, lost_reply_share=lost_reply_share)
+                      download_per_agent=not download_once, lost_reply_share=lost_reply_share,
+                      ingest_processes=ingest_processes)
     try:
         res = run_fleet(cfg)
     except SimError as exc:

@@ -43,6 +43,7 @@ class FleetConfig:
     report_kb: tuple[float, float] = (6.0, 46.0)  # report sizes drawn per agent (a real agent's on CPU)
     download_per_agent: bool = True  # every canary downloads the bundle itself (False: once for the fleet)
     lost_reply_share: float = 0.02  # registration replies lost on purpose (the retry must get the same node)
+    ingest_processes: int = 0  # the controller's report worker processes (KERNELCTL_INGEST_PROCESSES; 0: threads)
 
     @property
     def stale_after_seconds(self) -> float:

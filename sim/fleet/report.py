@@ -95,6 +95,15 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
             http[ep]["server_mean_ms"] = round(h["sum"] / h["count"] * 1000, 2)
             q = _hist_quantile(h, 0.99)
             http[ep]["server_p99_le_ms"] = None if q is None else q * 1000
+            ok = _metric_histogram(metrics_text, "kernelctl_http_request_duration_seconds",
+                                   f'route="{route}",status="200"')
+            if ok["count"]:  # the answered requests alone (a 503 with Retry-After is quick)
+                q = _hist_quantile(ok, 0.99)
+                http[ep]["server_200"] = {"count": int(ok["count"]), "mean_ms": round(ok["sum"] / ok["count"] * 1000, 2),
+                                          "p99_le_ms": None if q is None else q * 1000}
+            busy = _metric_histogram(metrics_text, "kernelctl_http_request_duration_seconds",
+                                     f'route="{route}",status="503"')
+            http[ep]["server_503"] = int(busy["count"])
     if "heartbeat" in http:  # the controller's time per heartbeat without the watch's hold, by path
         for path in ("fast", "switch", "slow", ""):
             h = _metric_histogram(metrics_text, "kernelctl_heartbeat_service_seconds", f'path="{path}"' if path else "")
@@ -103,6 +112,15 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
                 http["heartbeat"][f"server_{path or 'all'}"] = {
                     "count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1000, 2),
                     "p99_le_ms": None if q is None else q * 1000}
+    server: dict[str, Any] = {}  # the controller's own work: group commits, snapshot reloads
+    for key, name, must in (("registrations", "kernelctl_group_commit_seconds", 'what="registrations"'),
+                            ("switches", "kernelctl_group_commit_seconds", 'what="switches"'),
+                            ("reload", "kernelctl_desired_reload_seconds", "")):
+        h = _metric_histogram(metrics_text, name, must)
+        if h["count"]:
+            q = _hist_quantile(h, 0.99)
+            server[key] = {"count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1000, 2),
+                           "p99_le_ms": None if q is None else q * 1000}
     stale_names = {n["name"] for n in nodes if n.get("state") == "stale"}
     stale_nodes = len(stale_names)
     stopped_names = {a.name for a in fleet.agents if a.stopped}
@@ -121,7 +139,8 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
     out: dict[str, Any] = {
         "scenario": sc.name, "nodes": cfg.nodes, "candidate": f"{BUNDLE}@{sc.candidate}",
         "heartbeat_seconds": cfg.heartbeat_seconds, "tick_seconds": cfg.tick_seconds,
-        "connections": cfg.connections, "cpus": os.cpu_count(), "wall_s": round(wall, 2),
+        "connections": cfg.connections, "ingest_processes": cfg.ingest_processes, "cpus": os.cpu_count(),
+        "wall_s": round(wall, 2),
         "phases_s": {k: round(v, 2) for k, v in phases.items()},
         "rollout": {"id": detail.get("id"), "state": detail.get("state"), "strata": strata},
         "outcome": "timeout" if detail.get("timed_out") else detail.get("state"),
@@ -132,7 +151,7 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
                     "refused": len(stats.refused - stored), "lost": len(lost),
                     "lost_keys": lost[:20], "unacknowledged": len(unacked),
                     "throughput_per_s": round(stats.accepted / span, 1) if span > 0 else None},
-        "http": http,
+        "http": http, "server": server,
         "heartbeats_per_s": {"intended": round(cfg.nodes / cfg.heartbeat_seconds, 1),
                              "achieved": round(len(stats.latency.get("heartbeat", [])) / wall, 1) if wall else None},
         "tick": {"count": int(tick["count"]),

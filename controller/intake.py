@@ -1,0 +1,124 @@
+"""Report intake: a ``POST /v1/agents/reports`` body to stored reports, in a worker thread or a worker process.
+
+:func:`take` is the one path: parse and validate the body (``controller.api.body.parse_body``), check that the
+caller's token may report for the batch's node, store it in one transaction (``controller.ingest``), retried
+when a concurrent replay of the same keys wins the unique-key race. It returns an :class:`Outcome` that the API
+process turns into metrics and the reply.
+
+Where it runs (``controller.desired.writers.Writers.ingest``, admitted first): in the API process's report
+threads (``ingest_processes = 0``), or in a pool of worker processes (``ingest_processes = N``): there the
+parsing, the validation of 6-46 KB bodies and the ORM work run past the API process's GIL, which then serves
+heartbeats, watches and downloads only. A worker process has its own engine (two connections) and generation
+hooks; the patches its commits declare (a canary verified by its report) travel back in the outcome and are
+applied by the API process's store as its own commits' are, so the node's watch answers at once (the NOTIFY
+wakes every other replica as before). A body that fails validation comes back as ``invalid``: the API process
+parses it again to raise FastAPI's exact answer (bad bodies are rare and small next to the limit).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
+
+from controller import ingest, registry
+from controller.api.body import parse_body, too_many
+from controller.auth import Principal, require_node
+from controller.db.engine import DatabaseError, session_scope
+from controller.db.models import utcnow
+from controller.desired.generation import Patch
+from controller.errors import Invalid, first_line
+from kernelctl import wire
+
+
+@dataclass
+class Outcome:
+    """What one report request came to (see the module docstring)."""
+
+    invalid: bool = False  # the body did not validate: parse it again where the answer is made
+    reply: wire.ReportBatchResponse | None = None
+    reports: int = 0
+    error: Exception | None = None  # storing the batch failed: nothing of it was stored
+    refused_reasons: list[str] = field(default_factory=list)
+    patches: list[tuple[int, Patch]] = field(default_factory=list)  # from a worker process's commits
+
+
+def take(factory: sessionmaker[Session], body: bytes, json_type: bool, principal: Principal,
+         max_report_batch: int) -> Outcome:
+    """The report request ``body`` from ``principal``, stored (see the module docstring)."""
+    try:
+        batch = parse_body(body, json_type, wire.ReportBatch, max_items=("reports", max_report_batch))
+    except (RequestValidationError, HTTPException):
+        return Outcome(invalid=True)
+    require_node(principal, batch.node_name)
+    if len(batch.reports) > max_report_batch:  # a body parse_body could not count first
+        raise Invalid(f"reports: {too_many('reports', len(batch.reports), max_report_batch)}")
+    try:
+        accepted, duplicates, refused = _store(factory, batch)
+    except Exception as exc:  # raised where the answer is made, after counting the batch as rejected
+        return Outcome(reports=len(batch.reports), error=exc)
+    if not refused:  # the common case keeps the historical shape {"accepted", "duplicates"}
+        reply = wire.ReportBatchResponse(accepted=accepted, duplicates=duplicates)
+    else:
+        reply = wire.ReportBatchResponse(accepted=accepted, duplicates=duplicates,
+                                         refused={k: m for k, (_r, m) in refused.items()})
+    return Outcome(reply=reply, reports=len(batch.reports), refused_reasons=[r for r, _m in refused.values()])
+
+
+@retry(retry=retry_if_exception_type(IntegrityError), stop=stop_after_attempt(3), wait=wait_random(0, 0.05),
+       reraise=True)
+def _store(factory: sessionmaker[Session], batch: wire.ReportBatch
+           ) -> tuple[int, int, dict[str, tuple[str, str]]]:
+    # A concurrent replay of the same batch loses the unique-key race: retrying sees the keys as duplicates.
+    # A canary verified here (trial before serve) is declared by mark_verified: the node's watch answers at once.
+    with session_scope(factory) as session:
+        node = registry.get_node(session, batch.node_name)
+        return ingest.ingest_batch(session, node, batch, utcnow())
+
+
+# ------------------------------------------------------------------------------------------ worker processes
+_worker: dict[str, object] = {}  # in a worker process: its session factory, settings and declared patches
+
+
+def _init_worker(database_url: str, max_report_batch: int) -> None:
+    from controller.db.engine import make_engine, session_factory
+    from controller.desired.generation import install_generation_hooks
+
+    factory = session_factory(make_engine(database_url, pool_size=2))
+    patches: list[tuple[int, Patch]] = []
+    install_generation_hooks(factory, on_commit=lambda gen, patch: patches.append((gen, patch)))
+    _worker.update(factory=factory, max_report_batch=max_report_batch, patches=patches)
+
+
+def take_in_worker(body: bytes, json_type: bool, principal: Principal) -> Outcome:
+    """(worker process) :func:`take` on the worker's engine; a database failure comes back as a
+    ``DatabaseError`` (503), picklable, with its first line."""
+    patches: list[tuple[int, Patch]] = _worker["patches"]  # type: ignore[assignment]
+    patches.clear()
+    out = take(_worker["factory"], body, json_type, principal, _worker["max_report_batch"])  # type: ignore[arg-type]
+    if isinstance(out.error, SQLAlchemyError):  # its driver state does not travel between processes
+        out.error = DatabaseError(f"database unavailable: {first_line(out.error)}")
+    out.patches = list(patches)
+    return out
+
+
+def _ready() -> bool:
+    return "factory" in _worker
+
+
+def worker_pool(processes: int, database_url: str, max_report_batch: int) -> ProcessPoolExecutor:
+    """``processes`` report workers (spawned: the API process has threads), each with its own engine."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(database_url, max_report_batch))
+
+
+def warm(pool: ProcessPoolExecutor, processes: int) -> None:
+    """Start the workers now (each imports the controller: seconds), not on the first report."""
+    for _ in range(processes):
+        pool.submit(_ready)

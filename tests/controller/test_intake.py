@@ -1,0 +1,72 @@
+"""controller.intake through ``Writers.ingest``, in the API process's threads and in a real worker process, on
+SQLite and PostgreSQL: a report is stored and answered the same way; a canary verified by its report comes back
+from the worker process as a patch (``KEEP`` intact) for this process's store; another node's token is refused
+(403) and a report for an unknown rollout rejected (422) with nothing stored; a body that does not validate comes
+back ``invalid`` (the route parses it again for FastAPI's answer). About 3 s a backend with the worker process
+(it is spawned and imports the controller)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import func, select
+
+from controller.auth import Forbidden, Principal
+from controller.db.models import Report
+from controller.desired.generation import KEEP, Patch
+from controller.desired.writers import Writers
+from controller.errors import Invalid
+from kernelctl import wire
+from tests.controller.enginekit import Kit
+from tests.controller.test_serve_phase import _stable_and_candidate
+
+
+@pytest.fixture
+def kit(db_url, tmp_path):
+    k = Kit(db_url, tmp_path)
+    yield k
+    k.close()
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_reports_through_threads_and_a_worker_process(kit: Kit, db_url: str, processes: int) -> None:
+    rid, stable, cand = _stable_and_candidate(kit, nodes=1)
+    with kit.tx() as s:
+        n = kit.node(s, "gpu-000")
+        first = kit.report(n, rid, cand, stable, key="first-0001")
+        unknown = kit.report(n, 999, cand, stable, key="unknown-01")
+    me = Principal(1, "node:gpu-000", "agent", "gpu-000")
+    told: list[tuple[int, Patch]] = []
+
+    def body(*reports: wire.TrialReport) -> bytes:
+        return wire.ReportBatch(node_name="gpu-000", reports=list(reports)).model_dump_json().encode()
+
+    async def scenario() -> None:
+        writers = Writers(kit.factory, ingest_processes=processes, database_url=db_url,
+                          on_commit=lambda gen, patch: told.append((gen, patch)))
+        try:
+            out = await writers.ingest(body(first), True, me)
+            assert out.error is None and out.reply == wire.ReportBatchResponse(accepted=1, duplicates=0)
+            again = await writers.ingest(body(first), True, me)
+            assert again.reply == wire.ReportBatchResponse(accepted=0, duplicates=1)
+            if processes:  # the canary verified in the worker: its commit's patch is told to this process
+                assert told == out.patches and len(out.patches) == 1
+                gen, patch = out.patches[0]
+                (row,) = patch.rows[n.id].values()
+                assert gen > 0 and row.view.phase == "verified" and row.active_id is KEEP
+            else:
+                assert out.patches == [] and told == []  # this process's own hooks tell its store
+            bad = await writers.ingest(body(first, unknown), True, me)
+            assert isinstance(bad.error, Invalid) and "rollout 999 does not exist" in str(bad.error)
+            assert bad.reports == 2
+            with pytest.raises(Forbidden, match="gpu-000"):
+                await writers.ingest(body(first), True, Principal(2, "node:other", "agent", "other"))
+            assert (await writers.ingest(b'{"node_name": 1}', True, me)).invalid
+        finally:
+            await writers.stop()
+            writers.close()
+
+    asyncio.run(scenario())
+    with kit.tx() as s:
+        assert s.scalar(select(func.count()).select_from(Report)) == 1
