@@ -78,7 +78,14 @@ def _attn_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d,
     if MASKED:
         qk = tl.where((offs_m[:, None] >= n[None, :]) & (n[None, :] < seq), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.math.exp2(qk - m_new[:, None])
+    return _online_softmax_step(acc, m_i, l_i, qk - m_new[:, None], m_new, v, DOT_F32=DOT_F32)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, qk_shifted, m_new, v, DOT_F32: tl.constexpr):
+    """One key block into the running softmax: ``qk_shifted`` is the block's log2-scaled scores minus the new
+    running max ``m_new``; rescales the accumulator and the row sums by the max's change, adds P @ V."""
+    p = tl.math.exp2(qk_shifted)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
@@ -146,16 +153,8 @@ def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, o
     else:  # left of the diagonal: the scale folded into one multiply-add with the running max
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         qk = qk * qk_scale - m_new[:, None]
-    p = tl.math.exp2(qk)
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
     v = desc_v.load([kv_row + start_n, 0])
-    if DOT_F32:
-        acc += tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
+    return _online_softmax_step(acc, m_i, l_i, qk, m_new, v, DOT_F32=DOT_F32)
 
 
 @triton.jit
