@@ -15,7 +15,9 @@ import time
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from sqlalchemy import select, update
+from sqlalchemy.pool import NullPool
 
 from agents.client import ControllerClient
 from controller import registry
@@ -183,8 +185,20 @@ def test_overload_answers_503_with_retry_after_and_agents_back_off(db_url: str, 
             with ctl.client("enroll") as c:
                 return c.post("/v1/agents/register", json={"node_name": f"raw-{i}", "inventory": inventory()})
 
-        with cf.ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(raw, range(32)))
+        # the database held from outside (SQLite's write lock, PostgreSQL's lock on nodes): the first
+        # registration's commit waits, the next queues, the rest must be refused at admission, whatever the
+        # machine's speed; released as soon as a refusal was seen
+        with sa.create_engine(db_url, poolclass=NullPool).connect() as held, cf.ThreadPoolExecutor(16) as pool:
+            held.exec_driver_sql("BEGIN IMMEDIATE" if db_url.startswith("sqlite") else "BEGIN")
+            if not db_url.startswith("sqlite"):
+                held.exec_driver_sql("LOCK TABLE nodes IN EXCLUSIVE MODE")
+            futures = [pool.submit(raw, i) for i in range(32)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(f.done() and f.result().status_code == 503
+                                                          for f in futures):
+                time.sleep(0.05)
+            held.rollback()
+            answers = [f.result() for f in futures]
         busy = [r for r in answers if r.status_code == 503]
         assert busy, [r.status_code for r in answers]
         assert all(1 <= int(r.headers["retry-after"]) <= 5 for r in busy)
