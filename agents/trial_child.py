@@ -12,6 +12,7 @@ import resource
 import signal
 import sys
 import traceback
+from contextlib import suppress
 
 
 class TrialFailure(Exception):
@@ -24,23 +25,20 @@ class TrialFailure(Exception):
 
 
 def die_with_parent(agent_pid: int | None) -> None:
-    try:
+    """Ask the kernel to SIGKILL this process when the agent dies (no libc: nothing armed); exit 3 if it is gone."""
+    with suppress(OSError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
     if agent_pid is not None and os.getppid() != agent_pid:
         sys.exit(3)  # the agent died before we could arm the death signal
 
 
 def _vm_size_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """This process's address-space size from /proc (0 where it cannot be read)."""
+    with suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
     return 0
 
 
