@@ -1,15 +1,23 @@
-"""One timed latency phase at a time per physical GPU, across the agent processes of a host.
+"""The GPU to itself while a trial times: a host-wide readers-writer lock per physical device.
 
-Several agents on one GPU (``scripts/gpu-fleet`` runs four on one H100) share it by time slices, so one agent's
-timed calls absorbed another's slices (docs/gpu.md, run H: per-cell noise ~17%). The trial child takes an
-exclusive ``fcntl.flock`` on a file named after the device (the GPU's UUID, else its PCI bus id; ``cpu`` for
-an interpreter node) in a host-wide directory (``KERNELCTL_TIMING_LOCK_DIR``, default
-``<tmp>/kernelctl-timing-locks``) around its latency and end-to-end timing phases only: numerics, capacity
-and imports still overlap. The lock dies with its process (the kernel drops a dead holder's flock), so a
-crashed trial never wedges the others. After ``timeout_s`` without the lock the trial times anyway and says
-so (a wedged or very slow neighbour must not starve it); the wait, or the timeout, is in the trial's phase
-timings (``<phase>_lock``) and notes. On by default on GPU nodes (``WorkerSpec.timing_lock_s``, the node
-profile's ``timing_lock_s``; 0 turns it off); off on CPU nodes unless the profile sets it.
+Several agents on one GPU (``scripts/gpu-fleet`` runs four on one H100) share it by time slices. A lock around
+the timed phases alone (the first version of this module) was not enough: while one agent timed, the others'
+numeric checks ran kernels on the same GPU, and a 5 us kernel measured p50 5 us but mean 53 us and p99 444 us
+(docs/gpu.md, run S: the per-report mean of an identical candidate moved by +-20-30% in small cells). So every
+trial child holds the device **shared** while it uses the GPU for checks (:func:`gpu_share`: numerics and
+capacity) and **exclusively** while it times (:func:`timing_lock`: latency and end-to-end); checks overlap each
+other, nothing overlaps a timed phase.
+
+Both are ``fcntl.flock`` on ``<key>.lock`` in a host-wide directory (``KERNELCTL_TIMING_LOCK_DIR``, default
+``<tmp>/kernelctl-timing-locks``), the key named after the device (the GPU's UUID, else its PCI bus id; ``cpu``
+for an interpreter node). A turnstile (``<key>.gate``) keeps a waiting timer from being starved by checks that
+keep starting: a timer holds the gate while it waits for the checks running now to finish and while it times;
+a check passes the gate (takes and drops it) before it takes its shared hold. Locks die with their process (the
+kernel drops a dead holder's flock), so a crashed trial never wedges the others. After ``timeout_s`` without the
+lock a phase runs anyway and says so (a wedged or very slow neighbour must not starve it); the wait, or the
+timeout, is in the trial's phase timings (``<phase>_lock``, ``share_lock``) and notes. On by default on GPU
+nodes (``WorkerSpec.timing_lock_s``, the node profile's ``timing_lock_s``; 0 turns it off); off on CPU nodes
+unless the profile sets it.
 """
 
 from __future__ import annotations
@@ -58,11 +66,20 @@ def device_key(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
 
 
+def _acquire(fd: int, op: int, deadline: float) -> bool:
+    """``flock(fd, op)`` polled until ``deadline`` (monotonic); whether it was taken."""
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+
+
 @contextmanager
-def timing_lock(key: str, timeout_s: float, directory: Path | None = None
-                ) -> Iterator[LockWait]:
-    """Hold the host-wide lock ``key`` for the block (waiting up to ``timeout_s``); yields the :class:`LockWait`.
-    ``timeout_s`` <= 0: no lock at all (``held`` False, nothing waited)."""
+def _device_lock(key: str, timeout_s: float, directory: Path | None, *, exclusive: bool) -> Iterator[LockWait]:
     wait = LockWait(key)
     if timeout_s <= 0:
         yield wait
@@ -76,17 +93,37 @@ def timing_lock(key: str, timeout_s: float, directory: Path | None = None
         yield wait
         return
     try:
+        gate = os.open(d / f"{key}.gate", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        os.close(fd)
+        wait.error = f"{d}: {exc.strerror or exc}"
+        yield wait
+        return
+    try:
         t0 = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                wait.held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 >= timeout_s:
-                    break
-                time.sleep(POLL_S)
+        deadline = t0 + timeout_s
+        if _acquire(gate, fcntl.LOCK_EX, deadline):
+            wait.held = _acquire(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline)
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)  # a check only passes the turnstile
         wait.waited_s = time.monotonic() - t0
         yield wait
     finally:
         os.close(fd)  # releases the lock
+        os.close(gate)
+
+
+@contextmanager
+def timing_lock(key: str, timeout_s: float, directory: Path | None = None) -> Iterator[LockWait]:
+    """Hold device ``key`` exclusively for the block (a timed phase), waiting up to ``timeout_s`` for the checks
+    and timings running now; yields the :class:`LockWait`. ``timeout_s`` <= 0: no lock (``held`` False)."""
+    with _device_lock(key, timeout_s, directory, exclusive=True) as wait:
+        yield wait
+
+
+@contextmanager
+def gpu_share(key: str, timeout_s: float, directory: Path | None = None) -> Iterator[LockWait]:
+    """Hold device ``key`` shared for the block (GPU work that is not timed: other checks may run beside it,
+    no timed phase may), waiting up to ``timeout_s`` for a timed phase running or waiting now."""
+    with _device_lock(key, timeout_s, directory, exclusive=False) as wait:
+        yield wait

@@ -17,7 +17,7 @@ import math
 import time
 from typing import Any
 
-GPU_WINDOWS, GPU_QUADS, GPU_WARMUP_S, GPU_CELL_BUDGET_S = 32, 8, 1.0, 0.25
+GPU_WINDOWS, GPU_QUADS, GPU_WARMUP_S, GPU_CELL_BUDGET_S = 32, 8, 1.0, 0.12
 CPU_WINDOWS, CPU_QUADS = 6, 1
 
 TOKEN_DIMS = ("tokens", "q", "seq")

@@ -39,6 +39,7 @@ class Worker:
         self.spec = spec
         self.result = WorkerResult(outcome="ok")
         self.notes: list[str] = [f"seed={spec.seed}"]
+        self.share = ExitStack()  # the checks' shared hold on the device; the first timed phase lets go of it
 
     # ------------------------------------------------------------------------------------ plumbing
     @contextmanager
@@ -59,10 +60,11 @@ class Worker:
 
     @contextmanager
     def timed_phase(self, name: str) -> Iterator[None]:
-        """A timing phase under the host's per-device timing lock (:mod:`agents.timing_lock`), so co-located
-        agents do not time their calls in each other's GPU time slices; the wait is phase ``<name>_lock``."""
+        """A timing phase with the device to itself (:func:`agents.timing_lock.timing_lock`: no other trial's
+        checks or timings on the GPU meanwhile); the wait is phase ``<name>_lock``."""
         from agents.timing_lock import device_key, timing_lock
 
+        self.share.close()  # a process holding the device shared would wait for itself
         if self.spec.timing_lock_s <= 0:  # off (CPU nodes by default)
             with self.phase(name):
                 yield
@@ -70,15 +72,29 @@ class Worker:
         with ExitStack() as stack:
             with self.phase(f"{name}_lock"):
                 wait = stack.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
-            if wait.error is not None:
-                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: {wait.error}")
-            elif not wait.held:
-                self.notes.append(f"{name}: timed without the timing lock on {wait.key}: not free after "
-                                  f"{wait.waited_s:.1f}s (another process on this device held it)")
-            elif wait.waited_s >= 0.1:
-                self.notes.append(f"{name}: waited {wait.waited_s:.1f}s for the timing lock on {wait.key}")
+            self._lock_note(name, "timed", wait)
             with self.phase(name):
                 yield
+
+    def _hold_share(self) -> None:
+        """Hold the device shared for the checks (:func:`agents.timing_lock.gpu_share`): other trials' checks may
+        run beside them, no timed phase may; the wait is phase ``share_lock``."""
+        from agents.timing_lock import device_key, gpu_share
+
+        if self.spec.timing_lock_s <= 0:
+            return
+        with self.phase("share_lock"):
+            wait = self.share.enter_context(gpu_share(device_key(self.device), self.spec.timing_lock_s))
+        self._lock_note("checks", "ran", wait)
+
+    def _lock_note(self, name: str, verb: str, wait: Any) -> None:
+        if wait.error is not None:
+            self.notes.append(f"{name}: {verb} without the device lock on {wait.key}: {wait.error}")
+        elif not wait.held:
+            self.notes.append(f"{name}: {verb} without the device lock on {wait.key}: not free after "
+                              f"{wait.waited_s:.1f}s (another process on this device held it)")
+        elif wait.waited_s >= 0.1:
+            self.notes.append(f"{name}: waited {wait.waited_s:.1f}s for the device lock on {wait.key}")
 
     # ---------------------------------------------------------------------------------------- run
     def run(self) -> WorkerResult:
@@ -126,11 +142,13 @@ class Worker:
         self.stable = {n: (b.op, b.config) for n, b in stable.ops.items() if b.supported} if stable else {}
         self.cand_bundle = cand
         self.stable_bundle = stable
-        self._numerics()
-        if self.result.outcome != "ok":
-            return
-        self._latency()
-        self._e2e()
+        with self.share:
+            self._hold_share()
+            self._numerics()
+            if self.result.outcome != "ok":
+                return
+            self._latency()
+            self._e2e()
 
     # ---------------------------------------------------------------------------------- numerics
     def _dtypes(self, op: Any) -> list[str]:

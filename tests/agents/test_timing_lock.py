@@ -1,13 +1,16 @@
 """The host-wide per-device timing lock (agents.timing_lock) between real processes, and in a real trial child.
 
 A second process holds the lock (real ``flock``) until the test releases it: a waiter times out after its
-timeout and says so, another device's key is free meanwhile, and once released the lock is taken. A real trial
-child whose device lock is held by this test process times anyway after its timeout and records the wait in
-its phase timings and notes.
+timeout and says so, another device's key is free meanwhile, and once released the lock is taken. Checks share
+the device with checks but never with a timed phase, and a timer waiting for running checks keeps new checks
+out (the turnstile). A real trial child whose device lock is held by this test process checks and times anyway
+after its timeouts and records the waits in its phase timings and notes.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agents.inventory import collect_inventory
-from agents.timing_lock import ENV_DIR, device_key, timing_lock
+from agents.timing_lock import ENV_DIR, device_key, gpu_share, timing_lock
 from agents.trial import TrialConfig, TrialRunner
 from agents.trial_protocol import TrafficProfile
 from kernelctl.wire import BundleRef, TrialSpec
@@ -26,14 +29,21 @@ from tests.agents.bundles import BuiltBundles
 HOLDER = """
 import sys, time
 from pathlib import Path
-from agents.timing_lock import timing_lock
+from agents.timing_lock import gpu_share, timing_lock
 d, key = Path(sys.argv[1]), sys.argv[2]
-with timing_lock(key, 30.0, d) as w:
+mode = sys.argv[3] if len(sys.argv) > 3 else "timed"
+tag = sys.argv[4] if len(sys.argv) > 4 else ""
+with (timing_lock if mode == "timed" else gpu_share)(key, 60.0, d) as w:
     assert w.held
-    (d / "held").write_text("1")
-    while not (d / "release").exists():
+    (d / f"held{tag}").write_text("1")
+    while not (d / f"release{tag}").exists():
         time.sleep(0.02)
 """
+
+
+def hold(tmp_path: Path, key: str, mode: str, tag: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), key, mode, tag],
+                            cwd=Path(__file__).parents[2])
 
 
 def wait_for(path: Path, timeout: float = 60.0) -> None:
@@ -65,6 +75,51 @@ def test_a_second_process_waits_times_out_and_then_gets_the_lock(tmp_path: Path)
         assert not w.held and w.error
 
 
+def gate_taken(gate: Path, timeout: float = 60.0) -> None:
+    """Wait until another process holds the turnstile ``gate`` (a timer waiting for the device)."""
+    end = time.monotonic() + timeout
+    while True:
+        fd = os.open(gate, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        finally:
+            os.close(fd)
+        assert time.monotonic() < end, "the timer never took the turnstile"
+        time.sleep(0.02)
+
+
+def test_checks_share_the_device_but_never_with_a_timed_phase(tmp_path: Path) -> None:
+    checks = hold(tmp_path, "gpu-A", "share", "1")
+    procs = [checks]
+    try:
+        wait_for(tmp_path / "held1")
+        with gpu_share("gpu-A", 0.3, tmp_path) as w:
+            assert w.held  # another trial's checks run beside these
+        with timing_lock("gpu-A", 0.3, tmp_path) as w:
+            assert not w.held  # no timed phase while checks use the GPU
+        timer = hold(tmp_path, "gpu-A", "timed", "2")  # waits for the running checks, holding the turnstile
+        procs.append(timer)
+        gate_taken(tmp_path / "gpu-A.gate")
+        assert not (tmp_path / "held2").exists()
+        with gpu_share("gpu-A", 0.3, tmp_path) as w:
+            assert not w.held  # a waiting timer keeps new checks out: it is not starved
+        (tmp_path / "release1").write_text("1")
+        wait_for(tmp_path / "held2")  # the checks ended: the timer has the device
+        with gpu_share("gpu-A", 0.3, tmp_path) as w:
+            assert not w.held  # nor do checks start while it times
+        (tmp_path / "release2").write_text("1")
+        with gpu_share("gpu-A", 60.0, tmp_path) as w:
+            assert w.held
+    finally:
+        for tag in ("1", "2"):
+            (tmp_path / f"release{tag}").write_text("1")
+        for p in procs:
+            p.wait(timeout=60)
+    assert [p.returncode for p in procs] == [0, 0]
+
+
 def test_a_trial_records_its_wait_for_the_lock(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
@@ -88,6 +143,7 @@ def test_a_trial_records_its_wait_for_the_lock(bundles: BuiltBundles, sm90_overr
                          stable_path=bundles.paths["1.0.0"])
     assert rep.outcome == "ok", rep.detail
     assert rep.cells  # it timed anyway
-    assert "latency: timed without the timing lock on cpu: not free after" in rep.detail
+    assert "checks: ran without the device lock on cpu: not free after" in rep.detail
+    assert "latency: timed without the device lock on cpu: not free after" in rep.detail
     waited = re.search(r"latency_lock (\d+\.\d)s", rep.detail)  # the wait, in the phase timings
     assert waited and float(waited.group(1)) >= 0.5, rep.detail
