@@ -40,6 +40,8 @@ class Worker:
         self.result = WorkerResult(outcome="ok")
         self.notes: list[str] = [f"seed={spec.seed}"]
         self.share = ExitStack()  # the checks' shared hold on the device; the first timed phase lets go of it
+        self.timing = ExitStack()  # the timed phases' exclusive hold, taken by the first one
+        self.timing_held = False
 
     # ------------------------------------------------------------------------------------ plumbing
     @contextmanager
@@ -61,20 +63,18 @@ class Worker:
     @contextmanager
     def timed_phase(self, name: str) -> Iterator[None]:
         """A timing phase with the device to itself (:func:`agents.timing_lock.timing_lock`: no other trial's
-        checks or timings on the GPU meanwhile); the wait is phase ``<name>_lock``."""
+        checks or timings on the GPU meanwhile), held from the first timed phase to the end of the trial (the
+        latency and end-to-end phases back to back); the wait is phase ``<name>_lock``."""
         from agents.timing_lock import device_key, timing_lock
 
         self.share.close()  # a process holding the device shared would wait for itself
-        if self.spec.timing_lock_s <= 0:  # off (CPU nodes by default)
-            with self.phase(name):
-                yield
-            return
-        with ExitStack() as stack:
+        if self.spec.timing_lock_s > 0 and not self.timing_held:
             with self.phase(f"{name}_lock"):
-                wait = stack.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+                wait = self.timing.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+            self.timing_held = True
             self._lock_note(name, "timed", wait)
-            with self.phase(name):
-                yield
+        with self.phase(name):
+            yield
 
     def _hold_share(self) -> None:
         """Hold the device shared for the checks (:func:`agents.timing_lock.gpu_share`): other trials' checks may
@@ -142,7 +142,7 @@ class Worker:
         self.stable = {n: (b.op, b.config) for n, b in stable.ops.items() if b.supported} if stable else {}
         self.cand_bundle = cand
         self.stable_bundle = stable
-        with self.share:
+        with self.share, self.timing:
             self._hold_share()
             self._numerics()
             if self.result.outcome != "ok":
