@@ -6,7 +6,10 @@
   individual calls of both versions timed in ABBA quads (so contention hits both), grouped into fixed windows;
   per arm :class:`ArmTimes` (every call's time and the per-window means) and :func:`arm_summary` (n, mean,
   p50, p99, window means) for the judge. CUDA: the stream is held by a ``torch.cuda._sleep`` while a window
-  is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap; CPU: the
+  is enqueued, so the CUDA events around each call measure the kernel, not the host's launch gap. A window
+  whose sleep ended before its last call was enqueued (the device ran dry: host time leaked into the events)
+  is dropped and the sleep doubled (``SLEEP_CYCLES`` per call to start; run T on an H100 measured 5 us
+  kernels at p50 50-65 us before this check, and a Python wrapper's extra host time as +14-25%); CPU: the
   ``timer`` around each call (the trial passes ``time.thread_time``: the interpreter's Python work).
   Each quad is ABBA or BAAB at random (and a GPU window's hold jittered), so nothing periodic on the device
   falls on one arm window after window. :func:`drop_contended` removes, from both arms, the windows in which
@@ -193,12 +196,19 @@ def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, de
         run_b()
     a, b = ArmTimes([], []), ArmTimes([], [])
     rng = random.Random(seed)
+    cycles, doublings = SLEEP_CYCLES, 0
     for _ in range(windows):
         # each quad ABBA or BAAB at random: nothing periodic on the device (a time slice of another process,
         # a clock step) can fall on the same arm window after window
         order = [arm for _q in range(quads) for arm in ((0, 1, 1, 0) if rng.random() < 0.5 else (1, 0, 0, 1))]
         if _is_cuda(dev):
-            times = _cuda_window((run_a, run_b), order, dev, rng)
+            got = None
+            while got is None:
+                got = _cuda_window((run_a, run_b), order, dev, rng, cycles,
+                                   keep_dry=doublings >= MAX_SLEEP_DOUBLINGS)
+                if got is None:  # the host was slower than the sleep: sleep longer, for the rest of the cell too
+                    cycles, doublings = 2 * cycles, doublings + 1
+            times = got
         else:
             times = []
             for arm in order:
@@ -215,18 +225,31 @@ def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, de
     return a, b
 
 
+SLEEP_CYCLES = 50_000
+"""GPU clock cycles of sleep per call that hold the stream while a window is enqueued (~25 us), to start with."""
+MAX_SLEEP_DOUBLINGS = 6
+"""A window that ran dry doubles the sleep, at most this many times per cell (64x); past it the window counts."""
+
+
 def _cuda_window(fns: tuple[Callable[[], object], Callable[[], object]], order: Sequence[int],
-                 dev: torch.device, rng: random.Random) -> list[float]:
-    """One window on the GPU: the stream held by a sleep kernel while every call is enqueued between events
-    (~25 us per call, jittered so that windows do not lock onto another process's time slices)."""
+                 dev: torch.device, rng: random.Random, cycles: int, keep_dry: bool = False) -> list[float] | None:
+    """One window on the GPU: the stream held by a sleep kernel (``cycles`` per call, jittered so that windows
+    do not lock onto another process's time slices) while every call is enqueued between events. None when the
+    sleep was over before the last call was enqueued (unless ``keep_dry``): the device may have run dry, so a
+    call's events may hold host time (the caller sleeps longer)."""
     with torch.cuda.device(dev):
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
-        torch.cuda._sleep(int(50_000 * len(order) * rng.uniform(0.5, 1.5)))
+        slept = torch.cuda.Event()
+        torch.cuda._sleep(int(cycles * len(order) * rng.uniform(0.5, 1.5)))
+        slept.record()
         for arm, (start, end) in zip(order, ev, strict=True):
             start.record()
             fns[arm]()
             end.record()
+        ran_dry = slept.query()
         torch.cuda.synchronize(dev)
+        if ran_dry and not keep_dry:
+            return None
         return [max(s.elapsed_time(e), 1e-6) / 1e3 for s, e in ev]
 
 

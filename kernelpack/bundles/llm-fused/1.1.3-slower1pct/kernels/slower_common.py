@@ -1,9 +1,8 @@
 """llm-fused 1.1.3-slower1pct: every op is the stable op whose kernel programs each take 1% longer on a GPU.
 
 Not a fault: a candidate slightly slower everywhere (issue 25: "a 1%-slower-everywhere one promoted", inside
-the 2% margin), numerically identical to stable. 1.1.2-slower1pct made its kernels read 1% more bytes; on an
-H100 that one more dependent memory read at the end of a ~5 us decode-size kernel cost +14-25% (docs/gpu.md,
-run T), so it was a "+20% at decode sizes" candidate, rightly rolled back. This version slows in *time*:
+the 2% margin), numerically identical to stable. 1.1.2-slower1pct made its kernels read 1% more bytes, which
+is 1% of the time only where a kernel is bound by memory bandwidth. This version slows in *time*:
 :func:`slowed` takes a stable op module (bundled as ``stable_<op>``) and makes each Triton kernel defined there
 launch as a wrapper kernel, generated from the kernel's own signature, that reads the GPU's global timer, runs
 the stable kernel's body unchanged (called as a device function: the same program ids, grid and launch count),
