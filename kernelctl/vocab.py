@@ -43,6 +43,7 @@ def shown_steps(doc: dict[str, Any] | None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ nodes
 NODE_STATES = ("active", "stale")  # a node without a heartbeat for stale_after_seconds is stale
+NodeState = Literal["active", "stale"]
 
 # ------------------------------------------------------------------------------------------ canaries
 # Trial before serve: a canary's candidate is staged (trialled, not served), verified (the controller

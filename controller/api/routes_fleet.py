@@ -20,6 +20,7 @@ from controller.db.models import Assignment, Bundle, Node
 from controller.errors import Invalid
 from controller.paging import PAGE_MAX, PageError, decode_cursor, encode_cursor
 from kernelctl import wire
+from kernelctl.vocab import NodeState
 
 router = APIRouter(prefix=wire.API_PREFIX, tags=["fleet"])
 
@@ -39,7 +40,7 @@ def TimeText() -> Any:
 
 @router.get("/nodes", response_model=list[NodeOut])
 def nodes(_p: Viewer, state: State, request: Request, response: Response,
-          state_filter: str | None = Query(None, alias="state", max_length=32, pattern=r"^[a-z_]+$"),
+          state_filter: NodeState | None = Query(None, alias="state"),
           limit: int = Limit(PAGE_MAX), cursor: str | None = Cursor()) -> list[NodeOut]:
     """Nodes by name, a page at a time: stratum, liveness, and active/desired versions and canary phase per
     bundle."""

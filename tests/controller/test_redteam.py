@@ -709,6 +709,9 @@ def test_reads_are_paged_with_a_stable_cursor(ctl: ControllerProcess, bundles: T
             r = op.get(path, params={"limit": 100_000})
             assert fields(r) == ["query.limit"] and "rel=\\\"next\\\"" in r.text, (path, r.text)
             assert len(r.content) < 1000
+        # a filter outside its vocabulary: 422 naming the parameter and what it accepts
+        r = op.get("/v1/nodes", params={"state": "bogus"})
+        assert fields(r) == ["query.state"] and "'active' or 'stale'" in r.text, r.text
         # garbage or another list's cursor: 422 naming the cursor
         nodes_cursor = op.get("/v1/nodes", params={"limit": 1}).links["next"]["url"].split("cursor=")[1]
         for bad in ("bm90LWEtY3Vyc29y", nodes_cursor):
