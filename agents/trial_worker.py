@@ -25,11 +25,14 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.trial_child import TrialFailure, classify, die_with_parent, limit_memory
 from agents.trial_latency import token_dim
 from agents.trial_protocol import WorkerResult, WorkerSpec, write_json_atomic
+
+if TYPE_CHECKING:  # agents.timing_lock imports torch, which the trial child times as its "import" phase
+    from agents.timing_lock import LockWait
 
 MAX_ERR = 1e30  # the wire's ceiling for an error value; inf/NaN errors are reported as this
 
@@ -87,7 +90,7 @@ class Worker:
             wait = self.share.enter_context(gpu_share(device_key(self.device), self.spec.timing_lock_s))
         self._lock_note("checks", "ran", wait)
 
-    def _lock_note(self, name: str, verb: str, wait: Any) -> None:
+    def _lock_note(self, name: str, verb: str, wait: LockWait) -> None:
         if wait.error is not None:
             self.notes.append(f"{name}: {verb} without the device lock on {wait.key}: {wait.error}")
         elif not wait.held:
