@@ -60,6 +60,36 @@ def test_interleaving_is_abba_or_baab_at_random_and_a_budget_stops_early():
     assert len(a.windows) == 4
 
 
+def test_a_gpu_window_that_ran_dry_is_dropped_and_the_sleep_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU windows' control flow, the device's answer stood in for (no GPU on this machine; the GPU path itself
+    runs in docs/gpu.md's runs): a window whose sleep ran out before its last call was enqueued is not recorded,
+    the sleep doubles for that window and the rest of the cell, and past MAX_SLEEP_DOUBLINGS a window counts."""
+    from kernelpack.harness import bench
+
+    seen: list[tuple[int, bool]] = []
+
+    def window(fns, order, dev, rng, cycles, keep_dry=False):  # type: ignore[no-untyped-def]
+        seen.append((cycles, keep_dry))
+        if cycles < need and not keep_dry:
+            return None  # the host took longer than the sleep
+        return [1e-6 * (1 + arm) for arm in order]
+
+    monkeypatch.setattr(bench, "_is_cuda", lambda dev: True)
+    monkeypatch.setattr(bench, "_cuda_window", window)
+    s = bench.SLEEP_CYCLES
+    need = 4 * s
+    a, b = interleaved_calls(lambda: None, lambda: None, device="cpu", windows=3, quads=2, warmup_calls=0)
+    assert [c for c, _ in seen] == [s, 2 * s, 4 * s, 4 * s, 4 * s]  # dropped twice, then the longer sleep stays
+    assert len(a.windows) == len(b.windows) == 3 and len(a.calls) == 12
+    assert set(a.calls) == {1e-6} and set(b.calls) == {2e-6}  # only the recorded windows' calls
+    seen.clear()
+    need = 10**12  # a host that never keeps up
+    a, _ = interleaved_calls(lambda: None, lambda: None, device="cpu", windows=2, quads=1, warmup_calls=0)
+    cap = s * 2 ** bench.MAX_SLEEP_DOUBLINGS
+    assert seen[-2:] == [(cap, True), (cap, True)] and len(seen) == bench.MAX_SLEEP_DOUBLINGS + 2
+    assert len(a.windows) == 2
+
+
 def test_a_window_is_contended_only_when_both_arms_ran_slow_in_it():
     st = ArmTimes([1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0], [1.0, 5.0, 1.0, 1.0])
     ca = ArmTimes([2.0, 2.0, 9.0, 9.0, 2.0, 2.0, 2.0, 2.0], [2.0, 9.0, 2.0, 2.0])
