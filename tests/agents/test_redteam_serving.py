@@ -42,7 +42,7 @@ from kernelpack.runtime import read_active
 from tests import dbutil
 from tests.agents.agentutil import FAST_PROFILE, REPO_ROOT, AgentProcess, push_bundle, start_rollout, wait_for
 from tests.agents.bundles import BuiltBundles, build_test_bundles
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 NODE = "rt-1"
 # a canary step that never gathers enough samples: nothing but the test (or a hard gate) ends it
@@ -134,11 +134,11 @@ def _serving_wait(serving: ServingProcess, want: str, what: str, agent: AgentPro
 
 
 @pytest.fixture
-def serving_fleet(db_backend: str, bundles: BuiltBundles, sm90_overrides: Path,
-                  tmp_path: Path) -> Iterator[tuple[ControllerProcess, httpx.Client, AgentProcess, ServingProcess]]:
+def serving_fleet(db_backend: str, bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
+                  zygote: Zygote) -> Iterator[tuple[ControllerProcess, httpx.Client, AgentProcess, ServingProcess]]:
     """A controller with 1.0.0 and 1.1.0 pushed, one agent, and a serving process on the agent's runtime dir."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in ("1.0.0", "1.1.0"):
             push_bundle(op, bundles.paths[v])
@@ -201,7 +201,8 @@ def test_withdrawn_stable_version_is_no_longer_served_nor_a_fallback(serving_fle
 
 
 def test_bundle_removed_from_the_controller_is_no_longer_served(serving_fleet, db_backend: str,
-                                                                 bundles: BuiltBundles, tmp_path: Path) -> None:
+                                                                 bundles: BuiltBundles, tmp_path: Path,
+                                                                 zygote: Zygote) -> None:
     ctl, op, agent, serving = serving_fleet
     _promote_everywhere(op, "llm-fused@1.0.0")
     _serving_wait(serving, "llm-fused@1.0.0", "the promoted stable version to serve", agent)
@@ -211,7 +212,7 @@ def test_bundle_removed_from_the_controller_is_no_longer_served(serving_fleet, d
     (tmp_path / "other").mkdir()
     with dbutil.fresh_database(db_backend, tmp_path / "other") as url2, \
             ControllerProcess(url2, tmp_path / "other", tokens=ctl.tokens, trusted_keys_dir=bundles.trusted_dir,
-                              name="other") as other:
+                              name="other", zygote=zygote) as other:
         agent.set_controller(other.url)
         agent.start()
         op2 = other.client("operator")
@@ -276,9 +277,10 @@ def _reports(url: str, rid: int) -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize(("fault", "gate"), [("1.2.0-fault.memory", "memory"), ("1.2.0-fault.launches", "launches")])
 def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, swiglu: BuiltBundles,
                                                              sm90_overrides: Path, tmp_path: Path, fault: str,
-                                                             gate: str) -> None:
+                                                             gate: str, zygote: Zygote) -> None:
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])
@@ -313,10 +315,11 @@ def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, sw
 
 
 def test_the_plans_memory_margin_reaches_the_node(db_backend: str, swiglu: BuiltBundles, sm90_overrides: Path,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, zygote: Zygote) -> None:
     """Sent with the trial: a plan that allows 20x the stable's peak memory is served by the node."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])
@@ -336,10 +339,12 @@ def test_the_plans_memory_margin_reaches_the_node(db_backend: str, swiglu: Built
 
 
 def test_serve_before_trial_switches_back_when_the_nodes_trial_refuses(db_backend: str, swiglu: BuiltBundles,
-                                                                      sm90_overrides: Path, tmp_path: Path) -> None:
+                                                                      sm90_overrides: Path, tmp_path: Path,
+                                                                      zygote: Zygote) -> None:
     """The opt-out serves the candidate before its trial; the node's own refusal puts it back on stable."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])

@@ -56,14 +56,6 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
     return build_test_bundles(tmp_path_factory.mktemp("bundles"), versions=("1.0.0",))
 
 
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    """Restarts fork from a process that imported the controller once (see serverutil.Zygote)."""
-    z = Zygote()
-    yield z
-    z.stop()
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     with dbutil.fresh_database(request.param, tmp_path) as url:
