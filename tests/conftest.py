@@ -90,9 +90,9 @@ def zygote() -> Iterator[Zygote]:
 
 
 DURATIONS_KEY = "kernelctl/seconds-per-file"
-# Seconds per file from one full run (--durations 40 of 2026-11-23, 2 workers on a loaded 2-core machine; the demo
-# e2e, trial and bench files re-measured after issue 18's trial changes, -n 0 at load 7-12): the order for a
-# checkout whose pytest cache has no durations of its own yet.
+# Seconds per file (setup + call + teardown of its tests) from one full run (--durations=0 of 2026-11-28, issue 28's
+# suite pass: 3 workers on the 2-core machine at load 4-6): the order for a checkout whose pytest cache has no
+# durations of its own yet.
 SEED = Path(__file__).with_name("durations.json")
 
 
