@@ -10,18 +10,21 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from kernelctl.console import EXIT_ERROR, EXIT_REFUSED, fail
-from kernelpack.archive import DEFAULT_LIMITS, Limits, read_archive
 from kernelpack.errors import BundleError, ManifestError, VerificationError
-from kernelpack.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
-from kernelpack.signing import parse_signature
-from kernelpack.verify import sha256_hex, verify_path
+
+if TYPE_CHECKING:
+    from kernelpack.archive import Limits
+    from kernelpack.manifest import Manifest
+
+# kernelpack's format modules (pydantic manifests, signatures, archives) are imported by the commands that use
+# them: every kernelctl start imports this module (cli/app.py mounts it), most of them for other verbs
 
 bundle_app = typer.Typer(help="Build, verify and inspect kernel bundles (.kpack).", no_args_is_help=True)
 
@@ -33,6 +36,8 @@ def _fail(exc: Exception) -> NoReturn:
 
 
 def _limits(max_member_mib: int | None, max_total_mib: int | None) -> Limits:
+    from kernelpack.archive import DEFAULT_LIMITS, Limits
+
     mib = 1024 * 1024
     return Limits(
         max_member_bytes=(max_member_mib * mib) if max_member_mib else DEFAULT_LIMITS.max_member_bytes,
@@ -82,6 +87,8 @@ def bundle_verify(
     max_total_mib: Annotated[int | None, typer.Option(help="Total size limit (MiB).", min=1)] = None,
 ) -> None:
     """Verify digests, file list, archive safety and the signature against trusted keys."""
+    from kernelpack.verify import verify_path
+
     try:
         vb = verify_path(file, trusted_keys, limits=_limits(max_member_mib, max_total_mib))
     except (BundleError, OSError) as exc:
@@ -93,9 +100,12 @@ def bundle_verify(
 
 
 def _read_unverified(file: Path) -> tuple[Manifest, str, str | None]:
-    if file.is_dir():
-        from kernelpack.archive import read_directory
+    from kernelpack.archive import read_archive, read_directory
+    from kernelpack.manifest import MANIFEST_NAME, SIGNATURE_NAME, parse_manifest
+    from kernelpack.signing import parse_signature
+    from kernelpack.verify import sha256_hex
 
+    if file.is_dir():
         members = read_directory(file)
         digest = sha256_hex(members.get(MANIFEST_NAME, b""))
     else:
@@ -116,6 +126,8 @@ def bundle_inspect(
     ] = None,
 ) -> None:
     """Show a bundle's manifest: targets, kernels, launch configs, artifacts (verifies with --trusted-keys)."""
+    from kernelpack.verify import verify_path
+
     try:
         if trusted_keys is not None:
             vb = verify_path(file, trusted_keys)

@@ -9,7 +9,6 @@ import typer
 
 from cli.bundle import _fail
 from kernelpack.errors import BundleError
-from kernelpack.signing import generate_keypair
 
 keys_app = typer.Typer(help="Manage ed25519 bundle-signing keys.", no_args_is_help=True)
 
@@ -19,6 +18,8 @@ def keys_generate(
     directory: Annotated[Path, typer.Argument(help="Where to write <key-id>.key (0600) and <key-id>.pub.")],
 ) -> None:
     """Generate an ed25519 signing key pair."""
+    from kernelpack.signing import generate_keypair  # cryptography: only for this command (cli/bundle.py)
+
     try:
         kp = generate_keypair(directory)
     except (BundleError, OSError) as exc:

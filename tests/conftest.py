@@ -8,12 +8,16 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
 from tests import dbutil, provision
+
+if TYPE_CHECKING:
+    from tests.controller.serverutil import Zygote
 
 # Kernels run through Triton's interpreter when there is no GPU; it must be set before triton is imported.
 try:
@@ -74,10 +78,21 @@ def empty_db_url(db_backend: str, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """One :class:`tests.controller.serverutil.Zygote` per test process (started on first use): controllers
+    of every test file fork from it instead of importing the controller again (~2 CPU-s a start)."""
+    from tests.controller.serverutil import Zygote as _Zygote
+
+    z = _Zygote()
+    yield z
+    z.stop()
+
+
 DURATIONS_KEY = "kernelctl/seconds-per-file"
-# Seconds per file from one full run (--durations 40 of 2026-11-23, 2 workers on a loaded 2-core machine; the demo
-# e2e, trial and bench files re-measured after issue 18's trial changes, -n 0 at load 7-12): the order for a
-# checkout whose pytest cache has no durations of its own yet.
+# Seconds per file (setup + call + teardown of its tests) from one full run (--durations=0 of 2026-11-28, issue 28's
+# suite pass: 3 workers on the 2-core machine at load 4-6): the order for a checkout whose pytest cache has no
+# durations of its own yet.
 SEED = Path(__file__).with_name("durations.json")
 
 

@@ -3,12 +3,15 @@
 PostgreSQL is real (127.0.0.1:5432 by default, ``KERNELCTL_TEST_PG_URL`` to change; when nothing answers at the
 default, the session runs on a cluster of its own, tests/conftest.py); when it is not reachable the tests fail,
 never skip. Each test database is cloned from a migrated template, so every
-test starts at the Alembic head in milliseconds.
+test starts at the Alembic head in milliseconds; likewise each migrated SQLite database is a copy of a file
+migrated once per test process.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,8 +63,29 @@ def _pg_template() -> str:
     return _TEMPLATE
 
 
+_SQLITE_TEMPLATE: Path | None = None
+
+
+def _sqlite_template() -> Path:
+    """A SQLite file migrated to head, made once per test process (its WAL checkpointed into it on dispose)."""
+    global _SQLITE_TEMPLATE
+    if _SQLITE_TEMPLATE is None:
+        from controller.db import migrate
+        from controller.db.engine import make_engine
+
+        path = Path(tempfile.mkdtemp(prefix="kctl-sqlite-tmpl-")) / "template.db"
+        engine = make_engine(f"sqlite:///{path}")
+        migrate.upgrade(engine)
+        engine.dispose()
+        _SQLITE_TEMPLATE = path
+    return _SQLITE_TEMPLATE
+
+
 def drop_templates() -> None:
-    global _TEMPLATE
+    global _TEMPLATE, _SQLITE_TEMPLATE
+    if _SQLITE_TEMPLATE is not None:
+        shutil.rmtree(_SQLITE_TEMPLATE.parent, ignore_errors=True)
+        _SQLITE_TEMPLATE = None
     if _TEMPLATE is not None:
         with pg_admin() as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{_TEMPLATE}" WITH (FORCE)')
@@ -72,15 +96,10 @@ def drop_templates() -> None:
 def fresh_database(backend: str, tmp_path: Path, *, migrated: bool = True) -> Iterator[str]:
     """Yield the URL of a new, empty (or migrated-to-head) database; drop it afterwards."""
     if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / f'kctl-{uuid.uuid4().hex[:8]}.db'}"
+        path = tmp_path / f"kctl-{uuid.uuid4().hex[:8]}.db"
         if migrated:
-            from controller.db import migrate
-            from controller.db.engine import make_engine
-
-            engine = make_engine(url)
-            migrate.upgrade(engine)
-            engine.dispose()
-        yield url
+            shutil.copyfile(_sqlite_template(), path)
+        yield f"sqlite:///{path}"
         return
     name = f"kctl_t_{uuid.uuid4().hex[:12]}"
     with pg_admin() as admin:

@@ -9,8 +9,6 @@ import typer
 
 from kernelctl.console import fail
 from sim.fleet.config import DEFAULT_HEARTBEAT_S, FleetConfig, SimError
-from sim.fleet.report import print_table
-from sim.fleet.run import run_fleet
 from sim.fleet.scenarios import SCENARIOS, get_scenario
 
 app = typer.Typer(no_args_is_help=True, help="Fleet simulator: N simulated agents against a real controller.")
@@ -66,6 +64,11 @@ def fleet_command(
                       bundle_cache=bundle_cache, trial_interval=trial_interval, report_kb=report_kb,
                       download_per_agent=not download_once, lost_reply_share=lost_reply_share,
                       ingest_processes=ingest_processes)
+    # the simulator itself (numpy, asyncio agents) only for this command: every other kernelctl verb starts
+    # without it (this module is mounted by cli/app.py)
+    from sim.fleet.report import print_table
+    from sim.fleet.run import run_fleet
+
     try:
         res = run_fleet(cfg)
     except SimError as exc:

@@ -14,16 +14,17 @@ from tests import dbutil
 from tests.agents.agentutil import FAST_PROFILE, AgentProcess, push_bundle, start_rollout, wait_for
 from tests.agents.bundles import BuiltBundles
 from tests.agents.proxy import Proxy
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 CASES = [("1.2.0-fault.crash", "crash", "crash"), ("1.2.0-fault.drift", "numeric_error", "numeric"),
          ("1.2.0-fault.oom", "oom", "oom"),
          ("1.1.0", "load_error", "load")]  # 1.1.0 is fine, but its download gets tampered with below
 
 
-def test_fault_fixtures_and_tampered_download(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path) -> None:
+def test_fault_fixtures_and_tampered_download(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
+                                              zygote: Zygote) -> None:
     with dbutil.fresh_database("sqlite", tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir) as ctl, \
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote) as ctl, \
             Proxy(ctl.url) as proxy:
         op = ctl.client("operator")
         for v, _, _ in CASES:

@@ -21,12 +21,12 @@ from tests.agents.agentutil import (
 )
 from tests.agents.bundles import BuiltBundles
 from tests.agents.proxy import Proxy
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 
 def test_controller_outage_every_report_arrives_once(bundles: BuiltBundles, sm90_overrides: Path,
-                                                     db_url: str, tmp_path: Path) -> None:
-    ctl = ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.trusted_dir).start()
+                                                     db_url: str, tmp_path: Path, zygote: Zygote) -> None:
+    ctl = ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote).start()
     with Proxy(ctl.url) as proxy:
         op = ctl.client("operator")
         push_bundle(op, bundles.paths["1.1.0"])

@@ -16,12 +16,13 @@ from tests.agents.agentutil import (
     wait_for,
 )
 from tests.agents.bundles import BuiltBundles
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 
-def test_sigkill_mid_trial_then_restart_resumes(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path) -> None:
+def test_sigkill_mid_trial_then_restart_resumes(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
+                                                zygote: Zygote) -> None:
     with dbutil.fresh_database("sqlite", tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote) as ctl:
         op = ctl.client("operator")
         push_bundle(op, bundles.paths["1.1.0"])
         agent = AgentProcess(tmp_path, controller_url=ctl.url, token=ctl.tokens["enroll"],

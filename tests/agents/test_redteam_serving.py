@@ -15,6 +15,12 @@ so the controller names the candidate active after accepting the node's ok repor
 the memory and launch fault fixtures are verified by the controller and yet never published on the node: its
 own trial refused them, and the report says which gate and the figures. A plan with a wide memory margin sends
 that margin to the node, which then serves the memory fixture.
+
+What is tested here happens on the node (what its runtime directory names, what its serving process runs); the
+controller's side of each step (rollback, promotion, a re-registered node's stratum, report acceptance) is
+tested on both databases in tests/controller. So each test here runs on one database, half of them on
+PostgreSQL (the production database) and half on SQLite, rather than every test on both (issue 28: the suite's
+CPU time; each of these runs real agents, trials and a serving process).
 """
 
 from __future__ import annotations
@@ -42,9 +48,20 @@ from kernelpack.runtime import read_active
 from tests import dbutil
 from tests.agents.agentutil import FAST_PROFILE, REPO_ROOT, AgentProcess, push_bundle, start_rollout, wait_for
 from tests.agents.bundles import BuiltBundles, build_test_bundles
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 NODE = "rt-1"
+# the one database each test runs its controller on (the ``db_backend`` fixture, tests/conftest.py)
+SQLITE, POSTGRES = "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)
+
+
+
+
+def on(backend: Any) -> pytest.MarkDecorator:
+    """Run the test on ``backend`` only (see the module docstring)."""
+    return pytest.mark.parametrize("db_backend", [backend], indirect=True)
+
+
 # a canary step that never gathers enough samples: nothing but the test (or a hard gate) ends it
 OPEN = {"steps": [{"nodes": 1, "bake_seconds": 0, "min_samples": 100000, "deadline_seconds": 3600}],
         "trial_rounds": 1, "trial_interval_seconds": 0, "max_fleet_share": 1.0, "max_label_share": 1.0}
@@ -134,11 +151,11 @@ def _serving_wait(serving: ServingProcess, want: str, what: str, agent: AgentPro
 
 
 @pytest.fixture
-def serving_fleet(db_backend: str, bundles: BuiltBundles, sm90_overrides: Path,
-                  tmp_path: Path) -> Iterator[tuple[ControllerProcess, httpx.Client, AgentProcess, ServingProcess]]:
+def serving_fleet(db_backend: str, bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
+                  zygote: Zygote) -> Iterator[tuple[ControllerProcess, httpx.Client, AgentProcess, ServingProcess]]:
     """A controller with 1.0.0 and 1.1.0 pushed, one agent, and a serving process on the agent's runtime dir."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in ("1.0.0", "1.1.0"):
             push_bundle(op, bundles.paths[v])
@@ -154,6 +171,7 @@ def serving_fleet(db_backend: str, bundles: BuiltBundles, sm90_overrides: Path,
 
 
 # ------------------------------------------------------------------------------------------------ item 1
+@on(POSTGRES)
 def test_first_version_rolled_back_after_serving_stops_serving(serving_fleet) -> None:
     ctl, op, agent, serving = serving_fleet
     rid = start_rollout(op, "llm-fused@1.0.0", OPEN)["id"]
@@ -172,6 +190,7 @@ def test_first_version_rolled_back_after_serving_stops_serving(serving_fleet) ->
     assert _published(agent) is None and serving.serving() == "reference"
 
 
+@on(SQLITE)
 def test_withdrawn_stable_version_is_no_longer_served_nor_a_fallback(serving_fleet, tmp_path: Path) -> None:
     ctl, op, agent, serving = serving_fleet
     _promote_everywhere(op, "llm-fused@1.0.0")
@@ -200,8 +219,10 @@ def test_withdrawn_stable_version_is_no_longer_served_nor_a_fallback(serving_fle
     assert _published(agent) is None and "falling back to its stable" not in agent.log_text()
 
 
+@on(POSTGRES)
 def test_bundle_removed_from_the_controller_is_no_longer_served(serving_fleet, db_backend: str,
-                                                                 bundles: BuiltBundles, tmp_path: Path) -> None:
+                                                                 bundles: BuiltBundles, tmp_path: Path,
+                                                                 zygote: Zygote) -> None:
     ctl, op, agent, serving = serving_fleet
     _promote_everywhere(op, "llm-fused@1.0.0")
     _serving_wait(serving, "llm-fused@1.0.0", "the promoted stable version to serve", agent)
@@ -211,7 +232,7 @@ def test_bundle_removed_from_the_controller_is_no_longer_served(serving_fleet, d
     (tmp_path / "other").mkdir()
     with dbutil.fresh_database(db_backend, tmp_path / "other") as url2, \
             ControllerProcess(url2, tmp_path / "other", tokens=ctl.tokens, trusted_keys_dir=bundles.trusted_dir,
-                              name="other") as other:
+                              name="other", zygote=zygote) as other:
         agent.set_controller(other.url)
         agent.start()
         op2 = other.client("operator")
@@ -273,12 +294,16 @@ def _reports(url: str, rid: int) -> list[tuple[str, dict[str, Any]]]:
         engine.dispose()
 
 
-@pytest.mark.parametrize(("fault", "gate"), [("1.2.0-fault.memory", "memory"), ("1.2.0-fault.launches", "launches")])
+@pytest.mark.parametrize(("fault", "gate", "db_backend"), [("1.2.0-fault.memory", "memory", "sqlite"),
+                                                          pytest.param("1.2.0-fault.launches", "launches", "postgres",
+                                                                       marks=pytest.mark.postgres)],
+                         indirect=["db_backend"])
 def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, swiglu: BuiltBundles,
                                                              sm90_overrides: Path, tmp_path: Path, fault: str,
-                                                             gate: str) -> None:
+                                                             gate: str, zygote: Zygote) -> None:
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])
@@ -312,11 +337,13 @@ def test_node_never_serves_a_candidate_its_own_trial_refused(db_backend: str, sw
             agent.stop()
 
 
+@on(SQLITE)
 def test_the_plans_memory_margin_reaches_the_node(db_backend: str, swiglu: BuiltBundles, sm90_overrides: Path,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, zygote: Zygote) -> None:
     """Sent with the trial: a plan that allows 20x the stable's peak memory is served by the node."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])
@@ -335,11 +362,14 @@ def test_the_plans_memory_margin_reaches_the_node(db_backend: str, swiglu: Built
             agent.stop()
 
 
+@on(POSTGRES)
 def test_serve_before_trial_switches_back_when_the_nodes_trial_refuses(db_backend: str, swiglu: BuiltBundles,
-                                                                      sm90_overrides: Path, tmp_path: Path) -> None:
+                                                                      sm90_overrides: Path, tmp_path: Path,
+                                                                      zygote: Zygote) -> None:
     """The opt-out serves the candidate before its trial; the node's own refusal puts it back on stable."""
     with dbutil.fresh_database(db_backend, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=swiglu.trusted_dir, tick_seconds=3600,
+                              zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in swiglu.paths:
             push_bundle(op, swiglu.paths[v])

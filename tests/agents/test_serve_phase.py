@@ -30,7 +30,7 @@ from kernelpack.runtime import read_active
 from tests import dbutil
 from tests.agents.agentutil import FAST_PROFILE, AgentProcess, push_bundle, start_rollout, wait_for
 from tests.agents.bundles import BuiltBundles
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 from tests.controller.test_cli_remote import kctl, ok
 
 NODES = ("sp-1", "sp-2")
@@ -84,10 +84,10 @@ class Watcher:
 
 
 @pytest.fixture
-def fleet(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path):
+def fleet(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path, zygote: Zygote):
     """A controller, two sm_90 agents serving llm-fused 1.0.0 (promoted), the other versions pushed."""
     with dbutil.fresh_database("sqlite", tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir) as ctl:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.trusted_dir, zygote=zygote) as ctl:
         op = ctl.client("operator")
         for v in ("1.0.0", "1.1.0", "1.2.0-fault.drift", "1.2.0-fault.crash"):
             push_bundle(op, bundles.paths[v])

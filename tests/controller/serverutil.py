@@ -60,7 +60,15 @@ def cli_command() -> list[str]:
 ZYGOTE_CODE = r"""
 import json, os, signal, sys
 import cli.app, controller.server, controller.scheduler, controller.tick, controller.ingest  # the slow part
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
+
+def reap(signum, frame):  # waited for (not SIG_IGN): their CPU time counts in ours, and so in the test's
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+signal.signal(signal.SIGCHLD, reap)
 sys.stdout.write("ready\n"); sys.stdout.flush()
 for line in sys.stdin:
     req = json.loads(line)
@@ -89,7 +97,11 @@ class Zygote:
 
     Each forked child runs exactly the ``serve`` command line (same code, same arguments, same env as a
     fresh process); only the Python imports are shared. It makes a restart take ~1 s instead of the import
-    time, so crash tests can kill and restart the controller many times. ``stop()`` ends the zygote.
+    time (~2 CPU-s), so crash tests can kill and restart the controller many times, and every test file that
+    starts controllers shares one zygote per test process (the ``zygote`` fixture, tests/conftest.py). The
+    zygote waits for its children, so their CPU time is part of the test process tree's (``/usr/bin/time``).
+    Not for a test that needs the controller's exit status (it is not known here: see ForkedProcess).
+    ``stop()`` ends the zygote.
     """
 
     def __init__(self) -> None:
@@ -183,8 +195,8 @@ def build_test_bundles(root: Path, versions: tuple[str, ...] = ("1.0.0", "1.1.0"
 
 def controller_fixtures(prefix: str, versions: tuple[str, ...] = ("1.0.0",), **controller: Any) -> tuple[Any, Any]:
     """A test module's module-scoped ``bundles`` (signed test bundles of ``versions``) and ``ctl`` fixtures: a
-    ControllerProcess trusting them (``controller``: its keyword arguments) on a fresh database, once on SQLite
-    and once on PostgreSQL. Usage: ``bundles, ctl = controller_fixtures("auth")`` at module level."""
+    ControllerProcess (forked from the session's zygote) trusting them (``controller``: its keyword arguments) on
+    a fresh database, once on SQLite and once on PostgreSQL. Usage: ``bundles, ctl = controller_fixtures("auth")`` at module level."""
     import pytest
 
     from tests import dbutil
@@ -195,11 +207,11 @@ def controller_fixtures(prefix: str, versions: tuple[str, ...] = ("1.0.0",), **c
 
     @pytest.fixture(scope="module", name="ctl",
                     params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-    def ctl(request: pytest.FixtureRequest, bundles: TestBundles,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+    def ctl(request: pytest.FixtureRequest, bundles: TestBundles, tmp_path_factory: pytest.TempPathFactory,
+            zygote: Zygote) -> Iterator[ControllerProcess]:
         tmp = tmp_path_factory.mktemp(f"{prefix}-{request.param}")
         with dbutil.fresh_database(request.param, tmp) as url, \
-                ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, **controller) as proc:
+                ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, zygote=zygote, **controller) as proc:
             yield proc
 
     return bundles, ctl

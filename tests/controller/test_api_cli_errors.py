@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import dbutil
-from tests.controller.serverutil import ControllerProcess, TestBundles, build_test_bundles
+from tests.controller.serverutil import ControllerProcess, TestBundles, Zygote, build_test_bundles
 from tests.controller.test_cli_remote import kctl, ok, wait_state
 
 
@@ -26,10 +26,10 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
 
 
 @pytest.fixture(scope="module")
-def ctl(bundles: TestBundles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+def ctl(bundles: TestBundles, tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Iterator[ControllerProcess]:
     tmp = tmp_path_factory.mktemp("cli-errors")
     with dbutil.fresh_database("sqlite", tmp) as url, \
-            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir) as proc:
+            ControllerProcess(url, tmp, trusted_keys_dir=bundles.keys_dir, zygote=zygote) as proc:
         yield proc
 
 

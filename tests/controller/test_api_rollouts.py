@@ -16,6 +16,7 @@ from tests import dbutil
 from tests.controller.serverutil import (
     ControllerProcess,
     TestBundles,
+    Zygote,
     build_test_bundles,
     ok_report,
     register_node,
@@ -33,9 +34,10 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def ctl(request: pytest.FixtureRequest, bundles: TestBundles, tmp_path) -> Iterator[ControllerProcess]:  # type: ignore[no-untyped-def]
+def ctl(request: pytest.FixtureRequest, bundles: TestBundles, tmp_path, zygote: Zygote) -> Iterator[ControllerProcess]:  # type: ignore[no-untyped-def]
     with dbutil.fresh_database(request.param, tmp_path) as url, \
-            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=TICK) as proc:
+            ControllerProcess(url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=TICK,
+                              zygote=zygote) as proc:
         yield proc
 
 

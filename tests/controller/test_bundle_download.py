@@ -12,7 +12,7 @@ from agents.client import ControllerClient
 from controller.bundle_bytes import BundleBytes, byte_range
 from kernelctl import wire
 from tests.agents.proxy import Proxy
-from tests.controller.serverutil import ControllerProcess, build_test_bundles, register_node
+from tests.controller.serverutil import ControllerProcess, Zygote, build_test_bundles, register_node
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,10 @@ def test_byte_ranges_and_the_cache_by_digest() -> None:
     assert loads == ["a", "b", "a"]  # kept, then pushed out by b (10 bytes at most), then read again
 
 
-def test_download_resumes_with_a_range_and_revalidates_by_digest(db_url: str, tmp_path, bundles) -> None:
+def test_download_resumes_with_a_range_and_revalidates_by_digest(db_url: str, tmp_path, bundles, zygote: Zygote) -> None:
     data = bundles.files["1.0.0"].read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    with ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.keys_dir) as ctl:
+    with ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.keys_dir, zygote=zygote) as ctl:
         with ctl.client("operator") as op:
             assert op.post("/v1/bundles", content=data).status_code == 201
         node = register_node(ctl, "gpu-dl")

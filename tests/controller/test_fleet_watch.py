@@ -28,7 +28,13 @@ from controller.desired.snapshot import load_snapshot
 from controller.ingest import ingest_reports
 from kernelctl import wire
 from tests.controller.enginekit import T0, Kit, generation_kit
-from tests.controller.serverutil import ControllerProcess, build_test_bundles, inventory, register_node
+from tests.controller.serverutil import (
+    ControllerProcess,
+    Zygote,
+    build_test_bundles,
+    inventory,
+    register_node,
+)
 from tests.controller.test_serve_phase import _stable_and_candidate
 
 
@@ -125,8 +131,9 @@ def _heartbeat(c: httpx.Client, **kw) -> dict:
     return r.json()
 
 
-def test_watch_is_held_until_the_desired_state_changes(db_url: str, tmp_path, bundles) -> None:
-    with ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=0.5) as ctl:
+def test_watch_is_held_until_the_desired_state_changes(db_url: str, tmp_path, bundles, zygote: Zygote) -> None:
+    with ControllerProcess(db_url, tmp_path, trusted_keys_dir=bundles.keys_dir, tick_seconds=0.5,
+                           zygote=zygote) as ctl:
         node = register_node(ctl, "n1")
         first = _heartbeat(node)
         gen = first["generation"]
@@ -177,9 +184,9 @@ def test_watch_is_held_until_the_desired_state_changes(db_url: str, tmp_path, bu
         assert "tick failed" not in ctl.log_text()  # the generation hook works inside the leader's tick too
 
 
-def test_overload_answers_503_with_retry_after_and_agents_back_off(db_url: str, tmp_path) -> None:
+def test_overload_answers_503_with_retry_after_and_agents_back_off(db_url: str, tmp_path, zygote: Zygote) -> None:
     with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_PENDING_WRITES": "1",
-                                                         "KERNELCTL_MAX_QUEUED_WRITES": "1"}) as ctl:
+                                                         "KERNELCTL_MAX_QUEUED_WRITES": "1"}, zygote=zygote) as ctl:
 
         def raw(i: int) -> httpx.Response:
             with ctl.client("enroll") as c:

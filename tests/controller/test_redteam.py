@@ -62,13 +62,6 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
     return build_test_bundles(tmp_path_factory.mktemp("redteam-bundles"), versions=("1.0.0", "1.1.0"))
 
 
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    z = Zygote()
-    yield z
-    z.stop()
-
-
 @pytest.fixture
 def ctl(db_url: str, tmp_path: Path, bundles: TestBundles, zygote: Zygote) -> Iterator[ControllerProcess]:
     env = {"KERNELCTL_AUTH_CACHE_SECONDS": str(AUTH_CACHE), "KERNELCTL_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT),

@@ -26,7 +26,7 @@ from controller.errors import Conflict, Invalid
 from kernelctl import wire
 from tests.agents.proxy import Proxy
 from tests.controller.enginekit import T0, Kit, inventory
-from tests.controller.serverutil import ControllerProcess
+from tests.controller.serverutil import ControllerProcess, Zygote
 
 KEY = "k" * 40
 
@@ -102,8 +102,9 @@ def test_a_refusal_the_check_misses_still_fails_only_its_own_request(kit: Kit, m
         assert isinstance(out[5], Exception) and "out of range" in str(out[5])
 
 
-def test_agent_client_retries_a_lost_registration_reply_and_gets_its_node(db_url: str, tmp_path) -> None:
-    with ControllerProcess(db_url, tmp_path) as ctl, Proxy(ctl.url) as proxy:
+def test_agent_client_retries_a_lost_registration_reply_and_gets_its_node(db_url: str, tmp_path,
+                                                                          zygote: Zygote) -> None:
+    with ControllerProcess(db_url, tmp_path, zygote=zygote) as ctl, Proxy(ctl.url) as proxy:
         lost: list[str] = []
 
         def lose_first(path: str) -> bool:

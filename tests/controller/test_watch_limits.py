@@ -16,7 +16,7 @@ from sqlalchemy import select
 from controller.auth import revoke_token
 from controller.db.engine import make_engine, session_factory, session_scope
 from controller.db.models import ApiToken
-from tests.controller.serverutil import ControllerProcess, register_node
+from tests.controller.serverutil import ControllerProcess, Zygote, register_node
 
 
 def _gen(c: httpx.Client, name: str) -> int:
@@ -25,8 +25,8 @@ def _gen(c: httpx.Client, name: str) -> int:
     return r.json()["generation"]
 
 
-def test_a_watch_whose_token_is_revoked_meanwhile_gets_401(db_url: str, tmp_path) -> None:
-    with ControllerProcess(db_url, tmp_path) as ctl:
+def test_a_watch_whose_token_is_revoked_meanwhile_gets_401(db_url: str, tmp_path, zygote: Zygote) -> None:
+    with ControllerProcess(db_url, tmp_path, zygote=zygote) as ctl:
         node = register_node(ctl, "gpu-w")
         gen = _gen(node, "gpu-w")
         with cf.ThreadPoolExecutor(1) as pool:
@@ -47,8 +47,9 @@ def test_a_watch_whose_token_is_revoked_meanwhile_gets_401(db_url: str, tmp_path
         node.close()
 
 
-def test_one_node_holds_a_bounded_number_of_watches(db_url: str, tmp_path) -> None:
-    with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_WATCHES_PER_NODE": "2"}) as ctl:
+def test_one_node_holds_a_bounded_number_of_watches(db_url: str, tmp_path, zygote: Zygote) -> None:
+    with ControllerProcess(db_url, tmp_path, extra_env={"KERNELCTL_MAX_WATCHES_PER_NODE": "2"},
+                           zygote=zygote) as ctl:
         node = register_node(ctl, "gpu-c")
         gen = _gen(node, "gpu-c")
         body = {"node_name": "gpu-c", "generation": gen, "wait_seconds": 6}

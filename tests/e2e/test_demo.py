@@ -106,9 +106,10 @@ def test_demo_promotes_the_candidate_and_rolls_back_the_fault(tmp_path: Path) ->
 def test_demo_stops_on_a_paused_stratum_and_says_which(tmp_path: Path) -> None:
     """A stratum the demo cannot finish (here an operator pauses the rollout from outside) ends the demo at once
     with exit 1 and one line naming the rollout, the stratum and why; the next rollout is not started (before,
-    the demo waited out its wall-clock timeout, then blamed the next rollout's 409)."""
+    the demo waited out its wall-clock timeout, then blamed the next rollout's 409). Two agents (one per stratum,
+    the fewest the demo takes): what is tested is how the demo ends, and the test above runs the default fleet."""
     keep = tmp_path / "demo"
-    with running_demo(["--json", "--keep", str(keep)], keep) as proc:
+    with running_demo(["--json", "--keep", str(keep), "--nodes", "2"], keep) as proc:
         port_file, tokens = keep / "controller" / "port", keep / "bootstrap-tokens"
         deadline = time.monotonic() + DEMO_LIMIT_S
         rollout = None
