@@ -4,7 +4,10 @@ Jobs (``max_instances=1``, ``coalesce=True``): ``leadership`` re-checks or takes
 ``min(tick_seconds, 2)`` s so a standby takes over quickly; ``tick`` re-checks leadership and then runs
 ``controller.tick.run_tick`` (stale nodes, pending rollouts, verdicts, steps, deadlines) in one
 transaction. A replica that loses leadership stops acting at once: the next job finds ``check()`` false.
-Before each tick the replica's buffered liveness is flushed (``controller.desired.liveness``). With ``KERNELCTL_NOTIFY_URLS`` set, a ``controller.notify.Notifier`` delivers webhooks from the changelog on
+Before each tick the replica's buffered liveness is flushed (``controller.desired.liveness``). The
+leader keeps the judged evidence between its ticks (``controller.evidence.EvidenceCache``, only new reports are
+read), rebuilt from scratch when leadership is (re)taken and after a failed tick; ``KERNELCTL_TICK_INCREMENTAL=0``
+reads every report each tick. With ``KERNELCTL_NOTIFY_URLS`` set, a ``controller.notify.Notifier`` delivers webhooks from the changelog on
 its own threads, only while leading.
 """
 
@@ -19,6 +22,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from controller.api.deps import AppState
 from controller.db.models import utcnow
+from controller.evidence import EvidenceCache
 from controller.notify import Notifier, parse_targets
 from controller.tick import TickResult, run_tick
 
@@ -66,6 +70,8 @@ class ControllerScheduler:
                                id="leadership", next_run_time=dt.datetime.now(dt.timezone.utc))
         self.scheduler.add_job(self.tick, "interval", seconds=s.tick_seconds, id="tick")
         self.notifier = _notifier(state)
+        self.evidence = EvidenceCache()
+        self._evidence_for: float | None = None  # the leadership the cache was built under
 
     def start(self) -> None:
         self.scheduler.start()
@@ -89,10 +95,16 @@ class ControllerScheduler:
             self.state.hub.liveness.flush()  # liveness this replica holds reaches the database before staleness
             since = self.state.elector.leading_since
             settled = since is None or time.monotonic() - since >= self.state.settings.stale_after_seconds
+            if since is None or since != self._evidence_for:  # a new leadership: nothing read before counts
+                self.evidence.reset()
+                self._evidence_for = since
+            cache = self.evidence if self.state.settings.tick_incremental else None
             with self.state.tx() as session:
-                result = run_tick(session, utcnow(), settings=self.state.settings, judge_staleness=settled)
+                result = run_tick(session, utcnow(), settings=self.state.settings, judge_staleness=settled,
+                                  cache=cache)
             observe_tick(self.state, result)
         except Exception:
+            self.evidence.reset()  # any doubt: the next tick reads everything again
             log.exception("judge tick failed (will retry next tick)")
         finally:
             self.state.metrics.tick_duration.observe(time.perf_counter() - started)

@@ -24,6 +24,7 @@ from controller.changelog import record_event
 from controller.db.models import Event, Node, Rollout, RolloutStratum, Verdict
 from controller.desired.generation import changed
 from controller.errors import Conflict
+from controller.evidence import EvidenceCache
 from controller.gates import Decision, StepEvidence, as_utc, decide, hard_failures, step_evidence
 from controller.plan import load_plan
 from kernelctl.settings import Settings
@@ -105,9 +106,12 @@ def _should_record(d: Decision, row: RolloutStratum, last: Verdict | None, now: 
     return (now - as_utc(last.at)).total_seconds() >= every
 
 
-def run_tick(session: Session, now: dt.datetime, *, settings: Settings, judge_staleness: bool = True) -> TickResult:
+def run_tick(session: Session, now: dt.datetime, *, settings: Settings, judge_staleness: bool = True,
+             cache: EvidenceCache | None = None) -> TickResult:
     """One judge pass (the leader calls it every ``tick_seconds``). ``judge_staleness`` False: no node is
-    marked stale (a leader that took over less than ``stale_after_seconds`` ago has not heard every agent)."""
+    marked stale (a leader that took over less than ``stale_after_seconds`` ago has not heard every agent).
+    ``cache``: the leader's evidence kept between ticks (only reports new since the last tick are read,
+    :mod:`controller.evidence`); None reads every report of every live stratum."""
     t0 = time.perf_counter()
     result = TickResult()
     if judge_staleness:
@@ -124,7 +128,9 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings, judge_st
     rows = [(r, s) for r in live if r.state in (PROGRESSING, PAUSED)
             for s in r.strata if s.state in (PROGRESSING, PAUSED)]
     hard = hard_failures(session, {(r.id, s.stratum) for r, s in rows if s.first_failure_at is not None})
-    evidence = step_evidence(session, [s.id for r, s in rows if s.state == PROGRESSING])
+    judged = {s.id: (r.id, s.stratum) for r, s in rows if s.state == PROGRESSING}
+    evidence = (step_evidence(session, list(judged)) if cache is None
+                else cache.step_evidence(session, judged))
     counts = assignments.canary_counts(session, sorted({r.id for r, _ in rows}))
     last = _last_verdicts(session, sorted({r.id for r, _ in rows}))
 

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     listen_host: str = Field("127.0.0.1", description="Address `kernelctl serve` binds.")
     listen_port: int = Field(8080, ge=0, le=65535, description="Port `kernelctl serve` binds (0: any free).")
     tick_seconds: float = Field(2.0, gt=0, description="Judge tick period (leader only).")
+    tick_incremental: bool = Field(
+        True, description="The leader keeps each live stratum's evidence between ticks and reads only the reports "
+        "new since the last tick (false: every report of every live stratum, every tick).")
     stale_after_seconds: float = Field(60.0, gt=0, description="A node without heartbeat this long is stale.")
     heartbeat_seconds: float = Field(
         15.0, gt=0, description="Heartbeat period the controller asks agents for; agents hold each heartbeat "

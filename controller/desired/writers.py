@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
@@ -59,6 +60,10 @@ class Writers:
         self._processes = ingest_processes
         self._database_url = database_url
         self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics, executor=self._pool())
+        # report batches parsed on the report lane are stored by one group commit (controller.intake.store_many)
+        self.report_commits: GroupCommit[wire.ReportBatch] = GroupCommit(
+            "reports", functools.partial(intake.store_many, factory), max_batch=256, max_queued=max_pending_writes,
+            metrics=metrics, executor=ThreadPoolExecutor(1, thread_name_prefix="kctl-report-commit"))
         self.registrations: GroupCommit[Registration] = GroupCommit(
             "registrations", self._write_registrations, max_queued=max_queued_writes, metrics=metrics,
             executor=self.control.executor)
@@ -69,10 +74,13 @@ class Writers:
     def start(self) -> None:
         self.registrations.start()
         self.switches.start()
+        self.report_commits.start()
 
     async def stop(self) -> None:
         await self.registrations.stop()
         await self.switches.stop()
+        await self.report_commits.stop()
+        self.report_commits.executor.shutdown(wait=False)  # type: ignore[union-attr]
         await asyncio.get_running_loop().run_in_executor(None, self.reports.shutdown, True)  # workers ended
 
     def close(self) -> None:
@@ -106,9 +114,16 @@ class Writers:
     async def ingest(self, body: bytes, json_type: bool, principal: Principal) -> intake.Outcome:
         """A report request (``controller.intake.take``) on the report lane, refused with 503 + Retry-After when
         too many already wait: admission comes before the body is parsed."""
-        if not self._processes:
-            return await self.reports.run(intake.take, self.factory, body, json_type, principal,
-                                          self.max_report_batch)
+        if not self._processes:  # parsed on the report lane, stored by the group commit
+            batch = await self.reports.run(intake.parse, body, json_type, principal, self.max_report_batch)
+            if isinstance(batch, intake.Outcome):
+                return batch
+            try:
+                return await self.report_commits.submit(batch)
+            except Overloaded:
+                raise
+            except Exception as exc:  # the database failed it: answered where the reply is made, counted rejected
+                return intake.Outcome(reports=len(batch.reports), error=exc)
         try:
             out = await self.reports.run(intake.take_in_worker, body, json_type, principal)
         except BrokenProcessPool:  # a worker died (killed, out of memory): nothing of this request was answered

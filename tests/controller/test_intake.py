@@ -45,6 +45,7 @@ def test_reports_through_threads_and_a_worker_process(kit: Kit, db_url: str, pro
     async def scenario() -> None:
         writers = Writers(kit.factory, ingest_processes=processes, database_url=db_url,
                           on_commit=lambda gen, patch: told.append((gen, patch)))
+        writers.start()
         try:
             out = await writers.ingest(body(first), True, me)
             assert out.error is None and out.reply == wire.ReportBatchResponse(accepted=1, duplicates=0)
@@ -70,3 +71,33 @@ def test_reports_through_threads_and_a_worker_process(kit: Kit, db_url: str, pro
     asyncio.run(scenario())
     with kit.tx() as s:
         assert s.scalar(select(func.count()).select_from(Report)) == 1
+
+
+def test_concurrent_requests_share_one_commit_and_a_refused_one_stores_nothing(kit: Kit) -> None:
+    """Threads mode: requests waiting together are stored in one transaction (the group commit), each in its own
+    savepoint: the one naming an unknown rollout is answered 422-style with nothing stored, the others commit."""
+    rid, stable, cand = _stable_and_candidate(kit, nodes=1)
+    with kit.tx() as s:
+        n = kit.node(s, "gpu-000")
+        good = [kit.report(n, rid, cand, stable, key=f"group-{i:04d}") for i in range(12)]
+        unknown = kit.report(n, 999, cand, stable, key="unknown-02")
+    me = Principal(1, "node:gpu-000", "agent", "gpu-000")
+
+    def body(*reports: wire.TrialReport) -> bytes:
+        return wire.ReportBatch(node_name="gpu-000", reports=list(reports)).model_dump_json().encode()
+
+    async def scenario() -> list:
+        writers = Writers(kit.factory)
+        writers.start()
+        try:
+            return await asyncio.gather(*(writers.ingest(body(r), True, me) for r in [*good[:6], unknown, *good[6:]]))
+        finally:
+            await writers.stop()
+            writers.close()
+
+    outs = asyncio.run(scenario())
+    assert [o.reply.accepted for o in outs if o.reply is not None] == [1] * 12
+    (bad,) = [o for o in outs if o.error is not None]
+    assert isinstance(bad.error, Invalid) and "rollout 999 does not exist" in str(bad.error)
+    with kit.tx() as s:
+        assert s.scalar(select(func.count()).select_from(Report)) == 12
