@@ -57,8 +57,8 @@ class Settings(BaseSettings):
         0, ge=0, le=64, description="Report batches are parsed, validated and stored in this many worker processes "
         "per replica, past the API process's GIL (controller.intake); 0: in two threads of the API process.")
     max_queued_writes: int = Field(
-        16384, gt=0, description="Most group-committed agent writes (registrations, version switches, heartbeats "
-        "that need the full transaction) queued at "
+        16384, gt=0, description="Most group-committed agent writes (registrations, version switches) and heartbeats "
+        "that need the full transaction queued at "
         "once per replica; more are answered 503 with Retry-After.")
     max_watches_per_node: int = Field(
         4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "

@@ -8,7 +8,7 @@
 * :class:`~controller.desired.liveness.LivenessBuffer` (``liveness.py``): heartbeat times and staged versions
   of the heartbeats answered from memory, one lock, written in batches;
 * :class:`~controller.desired.writers.Writers` (``writers.py``): group-committed registrations and switches,
-  the full heartbeat transaction (group-committed too) and report ingest, on two lanes of worker threads (``lanes.py``).
+  the full heartbeat transaction (queued, not refused, up to ``max_queued_writes``) and report ingest, on two lanes of worker threads (``lanes.py``).
 
 A heartbeat (:meth:`DesiredHub.heartbeat`) is answered from the snapshot when its effects
 (:func:`controller.desired.effects.heartbeat_effects`) are liveness only; a version switch is group-committed;
@@ -204,7 +204,7 @@ class DesiredHub:
                     return wire.HeartbeatResponse.model_construct(
                         node_name=req.node_name, desired=snap.desired(view), heartbeat_seconds=hb, server_time=now,
                         generation=mine), mine, "switch"
-            reply, gen = await self.writers.heartbeats.submit((req, hb))
+            reply, gen = await self.writers.slow(self.writers.heartbeat, req, hb)
             return reply, gen, "slow"
         except Overloaded:
             if node is not None:

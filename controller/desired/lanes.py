@@ -6,8 +6,8 @@ front of the group commit of the heartbeats' version switches and the snapshot r
 at 1,000 nodes a switch heartbeat took 1.4 s on average at the server, a report waited 0.2 s (p50) to 1 s (p99)
 for a thread (docs/benchmarks.md, issue 28). Two lanes, each its own pool:
 
-* ``control``: group commits (registrations, switches, heartbeats that need the full transaction), snapshot
-  reloads and liveness flushes (admission is the group commits' queue bound, ``max_queued_writes``);
+* ``control``: group commits (registrations, switches), heartbeats that need the full transaction (admitted
+  up to ``max_queued_writes``, like the group commits' queues), snapshot reloads and liveness flushes;
 * ``reports``: report batches (their parse and validation and their transaction), few threads (they are CPU
   work under one GIL: more threads only take turns), or worker processes (``controller.intake``).
 

@@ -4,10 +4,11 @@ and the one-transaction heartbeat, each bounded (more waiting: 503 with ``Retry-
 * registrations: ``controller.enrollment.register_many`` per batch (``controller.group_commit``);
 * switches: ``controller.switches.record_switches`` per batch (heartbeats whose news is a version switch);
 * heartbeats that need the full transaction (``registry.heartbeat``: an inventory, a stale node back, a
-  version or node the snapshot does not know) group-committed too (:meth:`Writers._write_heartbeats`): a burst
-  of them (thousands of nodes marked stale coming back at once) is a few transactions and one snapshot reload
-  each, queued like the other group commits, not refused past ``max_pending_writes`` (at 10,000 nodes with a
-  CPU hog 2,116 heartbeats were answered 503 that way: docs/benchmarks.md, issue 28);
+  version or node the snapshot does not know): :meth:`Writers.slow`, one transaction each on the control lane's
+  threads, queued up to ``max_queued_writes`` like the group commits instead of refused past
+  ``max_pending_writes`` (at 10,000 nodes with a CPU hog 2,116 heartbeats of nodes marked stale coming back at
+  once were answered 503 that way; group-committing them instead serialised them: 3 s per batch of 100, mean
+  42 s; docs/benchmarks.md, issue 28);
 * report batches: :meth:`Writers.ingest` (``controller.intake``), on their own lane (``controller.desired.lanes``)
   of threads or worker processes, at most ``max_pending_writes`` at once.
 
@@ -58,7 +59,7 @@ class Writers:
         self.metrics = metrics
         self.max_report_batch = max_report_batch
         self.on_commit = on_commit  # a report worker process's commits, told to this process's store
-        self.control = Lane("writes", CONTROL_THREADS, max_pending_writes, metrics)
+        self.control = Lane("writes", CONTROL_THREADS, max_queued_writes, metrics)  # full heartbeats
         self._processes = ingest_processes
         self._database_url = database_url
         self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics, executor=self._pool())
@@ -68,19 +69,14 @@ class Writers:
         self.switches: GroupCommit[Switch] = GroupCommit(
             "switches", self._write_switches, max_queued=max_queued_writes, metrics=metrics,
             executor=self.control.executor)
-        self.heartbeats: GroupCommit[tuple[wire.HeartbeatRequest, float]] = GroupCommit(
-            "heartbeats", self._write_heartbeats, max_batch=100, max_queued=max_queued_writes, metrics=metrics,
-            executor=self.control.executor)
 
     def start(self) -> None:
         self.registrations.start()
         self.switches.start()
-        self.heartbeats.start()
 
     async def stop(self) -> None:
         await self.registrations.stop()
         await self.switches.stop()
-        await self.heartbeats.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.reports.shutdown, True)  # workers ended
 
     def close(self) -> None:
@@ -99,6 +95,11 @@ class Writers:
         gen = session.info.get(LAST_GENERATION) if any(isinstance(r, Switched) and r.changed for r in results) \
             else None
         return [(r, gen) for r in results]
+
+    async def slow(self, fn: Callable[..., T], *args: Any) -> T:
+        """A full heartbeat transaction on the control lane, refused with 503 + Retry-After only when
+        ``max_queued_writes`` already wait."""
+        return await self.control.run(fn, *args)
 
     def _pool(self) -> ProcessPoolExecutor | None:
         if not self._processes:
@@ -123,19 +124,10 @@ class Writers:
                 self.on_commit(generation, patch)
         return out
 
-    @GROUP_RETRY
-    def _write_heartbeats(self, items: list[tuple[wire.HeartbeatRequest, float]]
-                          ) -> list[tuple[wire.HeartbeatResponse, int]]:
-        """(worker thread) ``registry.heartbeat`` for each item in one transaction (nodes locked in name order,
-        as every batch writer does); each reply with a generation covering it."""
-        now = dt.datetime.now(dt.timezone.utc)
-        order = sorted(range(len(items)), key=lambda i: items[i][0].node_name)
-        replies: dict[int, wire.HeartbeatResponse] = {}
+    def heartbeat(self, req: wire.HeartbeatRequest, heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int]:
+        """(worker thread) ``registry.heartbeat`` in one transaction; the reply and a generation covering it."""
         with session_scope(self.factory) as session:
-            for i in order:
-                req, hb = items[i]
-                replies[i] = heartbeat(session, req, now, heartbeat_seconds=hb)
+            reply = heartbeat(session, req, dt.datetime.now(dt.timezone.utc), heartbeat_seconds=heartbeat_seconds)
             session.info.pop(LAST_GENERATION, None)
-            gen = read_generation(session)  # read last: every commit the replies saw is at or below it
-        gen = max(gen, int(session.info.get(LAST_GENERATION) or 0))
-        return [(replies[i], gen) for i in range(len(items))]
+            gen = read_generation(session)  # read last: every commit the reply saw is at or below it
+        return reply, max(gen, int(session.info.get(LAST_GENERATION) or 0))

@@ -115,7 +115,6 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
     server: dict[str, Any] = {}  # the controller's own work: group commits, snapshot reloads, catch-up waits
     for key, name, must in (("registrations", "kernelctl_group_commit_seconds", 'what="registrations"'),
                             ("switches", "kernelctl_group_commit_seconds", 'what="switches"'),
-                            ("heartbeats", "kernelctl_group_commit_seconds", 'what="heartbeats"'),
                             ("reload", "kernelctl_desired_reload_seconds", ""),
                             ("catch_up_watch", "kernelctl_heartbeat_catch_up_seconds", 'watch="true"'),
                             ("catch_up_other", "kernelctl_heartbeat_catch_up_seconds", 'watch="false"')):
