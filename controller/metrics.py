@@ -134,6 +134,11 @@ class Metrics:
             "kernelctl_heartbeat_service_seconds",
             "Heartbeat handling time excluding the watch (long-poll) hold, by path (fast: from the snapshot; "
             "slow: a transaction).", ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.heartbeat_catch_up = Histogram(
+            "kernelctl_heartbeat_catch_up_seconds",
+            "A heartbeat carrying a generation newer than this replica's snapshot: the wait for the snapshot to "
+            "reach it (a watch's is part of its hold: nothing newer than what the node holds is known here).",
+            ["watch"], buckets=LATENCY_BUCKETS, registry=r)
         self.desired_reload = Histogram(
             "kernelctl_desired_reload_seconds", "Reload of the desired-state snapshot after a generation moved.",
             buckets=LATENCY_BUCKETS, registry=r)

@@ -54,13 +54,14 @@ class Settings(BaseSettings):
     liveness_flush_seconds: float = Field(
         1.0, gt=0, le=30, description="Heartbeat times are written in one statement per this period.")
     max_pending_writes: int = Field(
-        64, gt=0, description="Most heartbeats that change something, and most report batches, waiting at once "
-        "per replica (each on its own worker threads); more are answered 503 with Retry-After.")
+        64, gt=0, description="Most report batches waiting at once per replica (on their own worker threads); more "
+        "are answered 503 with Retry-After. Heartbeats and registrations are group-committed (max_queued_writes).")
     ingest_processes: int = Field(
         0, ge=0, le=64, description="Report batches are parsed, validated and stored in this many worker processes "
         "per replica, past the API process's GIL (controller.intake); 0: in two threads of the API process.")
     max_queued_writes: int = Field(
-        16384, gt=0, description="Most group-committed agent writes (registrations, version switches) queued at "
+        16384, gt=0, description="Most group-committed agent writes (registrations, version switches) and heartbeats "
+        "that need the full transaction queued at "
         "once per replica; more are answered 503 with Retry-After.")
     max_watches_per_node: int = Field(
         4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "

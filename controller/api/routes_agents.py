@@ -9,9 +9,9 @@ reports from nodes that are not current canaries of a live rollout are refused o
 Heartbeats are served by every replica from its desired-state snapshot (``controller.desired``): a heartbeat
 that changes nothing but liveness costs no transaction, and one that carries ``generation`` and
 ``wait_seconds`` is held until the node's desired state changes (push). Writes (registrations, heartbeats that
-change something) and report batches each wait at most ``max_pending_writes`` at once per replica, on their own
-threads (``controller.desired.lanes``); more are answered 503 with ``Retry-After`` (agents back off with jitter
-and keep their outbox).
+change something) are group-committed, at most ``max_queued_writes`` queued per replica; report batches wait at
+most ``max_pending_writes`` at once per replica; each on their own threads (``controller.desired.lanes``); more
+are answered 503 with ``Retry-After`` (agents back off with jitter and keep their outbox).
 """
 
 from __future__ import annotations

@@ -82,6 +82,13 @@ class Effects:
     def changed(self) -> bool:
         return any(e.changed for e in self.rows.values())
 
+    @property
+    def desired_unchanged(self) -> bool:
+        """No phase moves: only active versions and their history are written, and the node's desired state (its
+        rows' :class:`AssignmentView`, which hold no active version) is the same after the write as before. The
+        reply to such a heartbeat does not depend on its write (the hub holds a watch while it commits)."""
+        return all(e.row.phase == e.before_phase for e in self.rows.values())
+
 
 def heartbeat_effects(rows: dict[str, RowFacts], reported: dict[str, int | None], now: dt.datetime) -> Effects:
     """Apply what the node reports (bundle name -> active bundle id, None or absent: nothing active) to its

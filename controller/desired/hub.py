@@ -8,7 +8,7 @@
 * :class:`~controller.desired.liveness.LivenessBuffer` (``liveness.py``): heartbeat times and staged versions
   of the heartbeats answered from memory, one lock, written in batches;
 * :class:`~controller.desired.writers.Writers` (``writers.py``): group-committed registrations and switches,
-  the bounded one-transaction path and report ingest, on two lanes of worker threads (``lanes.py``).
+  the full heartbeat transaction (queued, not refused, up to ``max_queued_writes``) and report ingest, on two lanes of worker threads (``lanes.py``).
 
 A heartbeat (:meth:`DesiredHub.heartbeat`) is answered from the snapshot when its effects
 (:func:`controller.desired.effects.heartbeat_effects`) are liveness only; a version switch is group-committed;
@@ -60,6 +60,7 @@ class DesiredHub:
                  max_pending_writes: int = 64, max_queued_writes: int = 16384, max_watches_per_node: int = 4,
                  ingest_processes: int = 0, max_report_batch: int = 1000, metrics: Any = None) -> None:
         self.flush_seconds = liveness_flush_seconds
+        self.metrics = metrics
         self.waiters = Waiters(max_watches_per_node)
         self.writers = Writers(factory, max_pending_writes=max_pending_writes, max_queued_writes=max_queued_writes,
                                metrics=metrics, ingest_processes=ingest_processes, database_url=database_url,
@@ -121,12 +122,26 @@ class DesiredHub:
     async def heartbeat(self, req: wire.HeartbeatRequest, *, heartbeat_seconds: float,
                         recheck: Recheck | None = None) -> tuple[wire.HeartbeatResponse, float, str]:
         """Answer one heartbeat (see the module docstring); returns the reply, the seconds spent holding it and
-        the path ("fast": from the snapshot, "switch": a group-committed version switch, "slow": a transaction).
+        the path ("fast": from the snapshot, "switch": a group-committed version switch, "slow": a transaction;
+        a heartbeat that wrote is reported by its write's path even when it was then held as a watch).
+
+        Held time (not the replica's service time): a watch's wait for this replica to catch up with the
+        generation the node holds (nothing newer is known here), and a watch whose version switch leaves its
+        desired state as it is (:attr:`~controller.desired.effects.Effects.desired_unchanged`: the reply does
+        not depend on the write) is held while the write commits; a failed write ends the hold with its error.
         """
         store = self.store
-        if req.generation is not None and req.generation > store.snapshot.generation:
-            await store.at_least(req.generation, 5.0)  # another replica is ahead: catch up first
+        watch = req.generation is not None and req.wait_seconds > 0
+        have = req.generation or 0  # the generation the node holds
         held = 0.0
+        if req.generation is not None and req.generation > store.snapshot.generation:
+            t0 = time.monotonic()
+            await store.at_least(req.generation, 5.0)  # another replica or a transaction is ahead: catch up first
+            waited = time.monotonic() - t0
+            if self.metrics is not None:
+                self.metrics.heartbeat_catch_up.labels(str(watch).lower()).observe(waited)
+            held += waited if watch else 0.0
+        path = "fast"
         deadline = time.monotonic() + min(req.wait_seconds, 600.0)
         while True:
             snap = store.snapshot
@@ -135,25 +150,36 @@ class DesiredHub:
             if node is None:
                 store.unknown()
             now = dt.datetime.now(dt.timezone.utc)
-            if node is None or behind or not snap.fast_path(node, req, now):
+            effects = snap.effects(node, req, now) if node is not None and not behind else None
+            mine = store.node_gen.get(req.node_name, snap.generation)
+            overlap = watch and effects is not None and not effects.liveness_only and effects.desired_unchanged \
+                and have >= mine and deadline > time.monotonic()
+            if node is not None and effects is not None and effects.liveness_only:
+                self.liveness.note(node.id, now, snap.staged_changes(node, req))
+            elif not overlap:
                 reply, gen, path = await self._write(node, snap, req, heartbeat_seconds, behind)
-                if req.generation is None or gen > req.generation or deadline - time.monotonic() <= 0:
+                if not watch or gen > have or deadline - time.monotonic() <= 0:
                     return reply.model_copy(update={"generation": gen}), held, path
                 mine = gen  # written, but nothing newer for the node: hold it like any watch
-            else:
-                mine = store.node_gen.get(req.node_name, snap.generation)
-                self.liveness.note(node.id, now, snap.staged_changes(node, req))
             left = deadline - time.monotonic()
-            if node is not None and (req.generation is None or req.generation < mine or left <= 0):
+            if node is not None and not overlap and (not watch or have < mine or left <= 0):
                 return wire.HeartbeatResponse.model_construct(
                     node_name=req.node_name, desired=snap.desired(node), heartbeat_seconds=heartbeat_seconds,
-                    server_time=now, generation=mine), held, "fast"
+                    server_time=now, generation=mine), held, path
+            pending: asyncio.Future[tuple[wire.HeartbeatResponse, int, str]] | None = None
             async with self.waiters.held(req.node_name) as ev:
+                if overlap:
+                    pending = asyncio.ensure_future(self._write(node, snap, req, heartbeat_seconds, False))
+                    pending.add_done_callback(lambda f: ev.set() if _ends_hold(f, have) else None)
                 t0 = time.monotonic()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):  # no task per held watch (wait_for makes one)
+                    async with asyncio.timeout(max(left, 0.0)):  # no task per held watch (wait_for makes one)
                         await ev.wait()
                 held += time.monotonic() - t0
+            if pending is not None:
+                reply, gen, path = await pending  # its error (503, ...) is the answer
+                if gen > have or deadline - time.monotonic() <= 0:
+                    return reply.model_copy(update={"generation": gen}), held, path
             if recheck is not None:
                 await recheck()  # its token may have been revoked while it waited
             if self._stopping:
@@ -184,3 +210,8 @@ class DesiredHub:
             if node is not None:
                 self.liveness.note(node.id, dt.datetime.now(dt.timezone.utc))
             raise
+
+
+def _ends_hold(write: asyncio.Future[tuple[wire.HeartbeatResponse, int, str]], have: int) -> bool:
+    """A write overlapped with a watch's hold ends it when it failed or brought the node something newer."""
+    return write.cancelled() or write.exception() is not None or write.result()[1] > have

@@ -6,12 +6,12 @@ front of the group commit of the heartbeats' version switches and the snapshot r
 at 1,000 nodes a switch heartbeat took 1.4 s on average at the server, a report waited 0.2 s (p50) to 1 s (p99)
 for a thread (docs/benchmarks.md, issue 28). Two lanes, each its own pool:
 
-* ``control``: group commits (registrations, switches), the full heartbeat transaction, snapshot reloads and
-  liveness flushes;
+* ``control``: group commits (registrations, switches), heartbeats that need the full transaction (admitted
+  up to ``max_queued_writes``, like the group commits' queues), snapshot reloads and liveness flushes;
 * ``reports``: report batches (their parse and validation and their transaction), few threads (they are CPU
   work under one GIL: more threads only take turns), or worker processes (``controller.intake``).
 
-A lane admits at most ``max_pending`` calls at once (running or waiting for a thread); one more is refused with
+A lane's :meth:`Lane.run` (report batches) admits at most ``max_pending`` calls at once (running or waiting for a thread); one more is refused with
 :class:`~controller.errors.Overloaded` (503 and Retry-After; agents back off with jitter and keep what they
 sent).
 """

@@ -33,7 +33,7 @@ from controller.db.models import (
     RolloutStratum,
     StableVersion,
 )
-from controller.desired.effects import AssignmentView, RowFacts, heartbeat_effects
+from controller.desired.effects import AssignmentView, Effects, RowFacts, heartbeat_effects
 from controller.desired.generation import KEEP, Patch, read_generation
 from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
@@ -169,11 +169,17 @@ class Snapshot:
         plan = self.plans.get(rollout_id) if rollout_id is not None else None
         return plan is None or not plan.serve_before_trial
 
+    def effects(self, node: NodeView, req: wire.HeartbeatRequest, now: Any = None) -> Effects | None:
+        """What this heartbeat writes by the one rule, when the snapshot can judge it (None: the full transaction
+        decides, see :meth:`reported`)."""
+        reported = self.reported(node, req)
+        return heartbeat_effects(self.facts(node), reported, now) if reported is not None else None
+
     def fast_path(self, node: NodeView, req: wire.HeartbeatRequest, now: Any = None) -> bool:
         """True when this heartbeat's effects are liveness only (and staged versions, informational, written
         in batches by the replica)."""
-        reported = self.reported(node, req)
-        return reported is not None and heartbeat_effects(self.facts(node), reported, now).liveness_only
+        effects = self.effects(node, req, now)
+        return effects is not None and effects.liveness_only
 
 
 def new_node_view(node_id: int, name: str, inventory: wire.Inventory, snap: Snapshot) -> NodeView:

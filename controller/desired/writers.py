@@ -3,8 +3,12 @@ and the one-transaction heartbeat, each bounded (more waiting: 503 with ``Retry-
 
 * registrations: ``controller.enrollment.register_many`` per batch (``controller.group_commit``);
 * switches: ``controller.switches.record_switches`` per batch (heartbeats whose news is a version switch);
-* the full heartbeat transaction (``registry.heartbeat``): :meth:`Writers.slow`, at most ``max_pending_writes``
-  at once;
+* heartbeats that need the full transaction (``registry.heartbeat``: an inventory, a stale node back, a
+  version or node the snapshot does not know): :meth:`Writers.slow`, one transaction each on the control lane's
+  threads, queued up to ``max_queued_writes`` like the group commits instead of refused past
+  ``max_pending_writes`` (at 10,000 nodes with a CPU hog 2,116 heartbeats of nodes marked stale coming back at
+  once were answered 503 that way; group-committing them instead serialised them: 3 s per batch of 100, mean
+  42 s; docs/benchmarks.md, issue 28);
 * report batches: :meth:`Writers.ingest` (``controller.intake``), on their own lane (``controller.desired.lanes``)
   of threads or worker processes, at most ``max_pending_writes`` at once.
 
@@ -56,7 +60,7 @@ class Writers:
         self.metrics = metrics
         self.max_report_batch = max_report_batch
         self.on_commit = on_commit  # a report worker process's commits, told to this process's store
-        self.control = Lane("writes", CONTROL_THREADS, max_pending_writes, metrics)
+        self.control = Lane("writes", CONTROL_THREADS, max_queued_writes, metrics)  # full heartbeats
         self._processes = ingest_processes
         self._database_url = database_url
         self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics, executor=self._pool())
@@ -101,7 +105,8 @@ class Writers:
         return [(r, gen) for r in results]
 
     async def slow(self, fn: Callable[..., T], *args: Any) -> T:
-        """A write on the control lane, refused with 503 + Retry-After when too many already wait."""
+        """A full heartbeat transaction on the control lane, refused with 503 + Retry-After only when
+        ``max_queued_writes`` already wait."""
         return await self.control.run(fn, *args)
 
     def _pool(self) -> ProcessPoolExecutor | None:

@@ -112,10 +112,12 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
                 http["heartbeat"][f"server_{path or 'all'}"] = {
                     "count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1000, 2),
                     "p99_le_ms": None if q is None else q * 1000}
-    server: dict[str, Any] = {}  # the controller's own work: group commits, snapshot reloads
+    server: dict[str, Any] = {}  # the controller's own work: group commits, snapshot reloads, catch-up waits
     for key, name, must in (("registrations", "kernelctl_group_commit_seconds", 'what="registrations"'),
                             ("switches", "kernelctl_group_commit_seconds", 'what="switches"'),
-                            ("reload", "kernelctl_desired_reload_seconds", "")):
+                            ("reload", "kernelctl_desired_reload_seconds", ""),
+                            ("catch_up_watch", "kernelctl_heartbeat_catch_up_seconds", 'watch="true"'),
+                            ("catch_up_other", "kernelctl_heartbeat_catch_up_seconds", 'watch="false"')):
         h = _metric_histogram(metrics_text, name, must)
         if h["count"]:
             q = _hist_quantile(h, 0.99)
