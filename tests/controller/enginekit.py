@@ -143,6 +143,14 @@ class Kit:
             latency=lat, **kw)
 
 
+def generation(kit: Kit) -> int:
+    """The desired-state generation the database holds now."""
+    from controller.desired.generation import read_generation
+
+    with kit.tx() as s:
+        return read_generation(s)
+
+
 def generation_kit(url: str, tmp: Path) -> Iterator[Kit]:
     """A :class:`Kit` whose sessions bump the desired-state generation (``controller.desired``), closed after."""
     from controller.desired.generation import install_generation_hooks

@@ -58,15 +58,13 @@ def cli_command() -> list[str]:
 
 
 ZYGOTE_CODE = r"""
-import json, os, signal, sys
+import contextlib, json, os, signal, sys
 import cli.app, controller.server, controller.scheduler, controller.tick, controller.ingest  # the slow part
 
 def reap(signum, frame):  # waited for (not SIG_IGN): their CPU time counts in ours, and so in the test's
-    try:
+    with contextlib.suppress(ChildProcessError):  # no child left
         while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
+            continue
 
 signal.signal(signal.SIGCHLD, reap)
 sys.stdout.write("ready\n"); sys.stdout.flush()

@@ -13,12 +13,12 @@ import asyncio
 
 import pytest
 
-from controller.desired.generation import PATCH, changed, read_generation
+from controller.desired.generation import PATCH, changed
 from controller.desired.hub import DesiredHub
 from controller.desired.snapshot import load_snapshot
 from controller.rollouts import rollback
 from kernelctl import wire
-from tests.controller.enginekit import Kit, generation_kit
+from tests.controller.enginekit import Kit, generation, generation_kit
 from tests.controller.test_serve_phase import _stable_and_candidate
 
 
@@ -27,25 +27,20 @@ def kit(db_url, tmp_path):
     yield from generation_kit(db_url, tmp_path)
 
 
-def _gen(kit: Kit) -> int:
-    with kit.tx() as s:
-        return read_generation(s)
-
-
 def test_a_change_declared_in_a_savepoint_bumps_at_the_outer_commit(kit: Kit) -> None:
-    g0 = _gen(kit)
+    g0 = generation(kit)
     with kit.tx() as s:
         with s.begin_nested():
             changed(s, strata={(1, "x"): "paused"})
         assert s.info[PATCH].complete and s.info[PATCH].strata == {(1, "x"): "paused"}
-    assert _gen(kit) == g0 + 1
+    assert generation(kit) == g0 + 1
     with kit.tx() as s:
         with pytest.raises(RuntimeError), s.begin_nested():
             changed(s, strata={(1, "x"): "paused"})
             raise RuntimeError("undone")
         patch = s.info[PATCH]
         assert not patch.complete and not patch.strata  # its rows are not trusted: the replicas reload
-    assert _gen(kit) == g0 + 2
+    assert generation(kit) == g0 + 2
 
 
 def test_a_rollback_reaches_a_held_watch_as_one_patch_without_a_reload(kit: Kit, db_url: str) -> None:
@@ -87,7 +82,7 @@ def test_a_rollback_reaches_a_held_watch_as_one_patch_without_a_reload(kit: Kit,
     reply, reloads, wakes = asyncio.run(run())
     (d,) = reply.desired
     assert (d.active, d.role, d.trial) == (stable, "stable", None)
-    assert reply.generation == _gen(kit)
+    assert reply.generation == generation(kit)
     assert reloads == 0  # the patch, not a reload
     assert sum(w.count("gpu-000") for w in wakes) == 1  # one wake-up
     snap = load_snapshot(kit.factory)

@@ -23,11 +23,10 @@ from agents.client import ControllerClient
 from controller import registry
 from controller.assignments import desired_state
 from controller.db.models import Node
-from controller.desired.generation import read_generation
 from controller.desired.snapshot import load_snapshot
 from controller.ingest import ingest_reports
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit, generation_kit
+from tests.controller.enginekit import T0, Kit, generation, generation_kit
 from tests.controller.serverutil import (
     ControllerProcess,
     Zygote,
@@ -43,11 +42,6 @@ def kit(db_url, tmp_path):
     yield from generation_kit(db_url, tmp_path)
 
 
-def _gen(kit: Kit) -> int:
-    with kit.tx() as s:
-        return read_generation(s)
-
-
 def _db_desired(kit: Kit, name: str) -> list[wire.DesiredBundle]:
     with kit.factory() as s:
         out = desired_state(s, kit.node(s, name), now=T0)
@@ -56,25 +50,25 @@ def _db_desired(kit: Kit, name: str) -> list[wire.DesiredBundle]:
 
 
 def test_generation_moves_with_desired_state_not_with_liveness(kit: Kit) -> None:
-    g0 = _gen(kit)
+    g0 = generation(kit)
     kit.nodes(3)
-    g1 = _gen(kit)
+    g1 = generation(kit)
     assert g1 == g0  # new nodes: not a change of desired state (the hub loads unknown nodes on its own)
     with kit.tx() as s:  # liveness only: the batched flush's kind of write
         s.execute(update(Node).values(last_heartbeat_at=T0 + dt.timedelta(seconds=5)))
-    assert _gen(kit) == g1
+    assert generation(kit) == g1
     _rid, stable, cand = _stable_and_candidate(kit, nodes=0)
-    g2 = _gen(kit)
+    g2 = generation(kit)
     assert g2 > g1  # promotion of the baseline, the candidate's canaries
     with kit.tx() as s:  # a node reports the candidate staged: stored, the generation moves
         registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", staged=[stable, cand], active=[stable]),
                            T0, heartbeat_seconds=5)
-    assert _gen(kit) > g2
-    g3 = _gen(kit)
+    assert generation(kit) > g2
+    g3 = generation(kit)
     with kit.factory() as s:  # a transaction rolled back moves nothing
         s.execute(update(Node).values(state="stale"))
         s.rollback()
-    assert _gen(kit) == g3
+    assert generation(kit) == g3
 
 
 def test_snapshot_answers_like_the_database_and_knows_when_a_heartbeat_writes(kit: Kit) -> None:
@@ -89,7 +83,7 @@ def test_snapshot_answers_like_the_database_and_knows_when_a_heartbeat_writes(ki
         n = kit.node(s, "gpu-001")
         ingest_reports(s, n, wire.ReportBatch(node_name="gpu-001", reports=[kit.report(n, rid, cand, stable)]), T0)
     snap = load_snapshot(kit.factory)
-    assert snap.generation == _gen(kit)
+    assert snap.generation == generation(kit)
     for name in ("gpu-000", "gpu-001", "gpu-002"):
         assert snap.desired(snap.nodes[name]) == _db_desired(kit, name), name
     (d1,) = snap.desired(snap.nodes["gpu-001"])
@@ -247,7 +241,7 @@ def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url:
     _rid, stable, cand = _stable_and_candidate(kit, nodes=0)
     buffer = LivenessBuffer(kit.factory)
     snap = load_snapshot(kit.factory)
-    g = _gen(kit)
+    g = generation(kit)
     later = T0 + dt.timedelta(minutes=5)
     for name in ("gpu-000", "gpu-001"):
         node = snap.nodes[name]
@@ -260,7 +254,7 @@ def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url:
     assert {r[0] for r in rows} == {"gpu-000", "gpu-001"}
     assert all(r[1].replace(tzinfo=dt.timezone.utc) == later for r in rows)
     assert all(r[2] == {"versions": sorted([stable.version, cand.version])} for r in rows)
-    assert _gen(kit) == g  # liveness and staged versions are not desired state
+    assert generation(kit) == g  # liveness and staged versions are not desired state
     assert buffer.flush() == 0  # nothing new: nothing written
     buffer.note(snap.nodes["gpu-000"].id, later, {"llm-fused": (stable.version, cand.version)})
     assert buffer.flush() == 1  # the time only: the staged versions were already written by this replica

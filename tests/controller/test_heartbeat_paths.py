@@ -19,23 +19,17 @@ from sqlalchemy import select, text, update
 
 from controller.db.models import Activation, Assignment, Node
 from controller.desired.effects import RowFacts, heartbeat_effects
-from controller.desired.generation import read_generation
 from controller.desired.hub import DesiredHub
 from controller.errors import Overloaded
 from controller.metrics import Metrics
 from controller.rollouts import promote, start_rollout
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit, generation_kit
+from tests.controller.enginekit import T0, Kit, generation, generation_kit
 
 
 @pytest.fixture
 def kit(db_url, tmp_path):
     yield from generation_kit(db_url, tmp_path)
-
-
-def _gen(kit: Kit) -> int:
-    with kit.tx() as s:
-        return read_generation(s)
 
 
 def _stable(kit: Kit, nodes: int) -> wire.BundleRef:
@@ -75,7 +69,7 @@ def test_a_watch_is_held_while_its_switch_commits(kit: Kit, db_url: str) -> None
     assert path == "switch"
     assert took >= 0.95 and held >= 0.95 * took  # held to the end of the watch: nothing newer for the node
     assert reply.generation == g and reply.desired[0].active == stable
-    assert _gen(kit) > g  # the switch was committed meanwhile
+    assert generation(kit) > g  # the switch was committed meanwhile
     with kit.tx() as s:
         assert s.scalar(select(Assignment.active_bundle_id)) == s.scalar(select(Activation.bundle_id))
         assert s.scalar(select(Assignment.active_bundle_id)) is not None
@@ -108,7 +102,7 @@ def test_a_burst_of_full_transactions_is_answered_none_refused(kit: Kit, db_url:
     stable = _stable(kit, 40)
     with kit.tx() as s:
         s.execute(update(Node).values(state="stale"))  # every node marked stale, all back at once
-    g0 = _gen(kit)
+    g0 = generation(kit)
 
     async def run() -> list[tuple[wire.HeartbeatResponse, float, str]]:
         hub = DesiredHub(kit.factory, db_url, poll_seconds=60, max_pending_writes=1)
@@ -125,7 +119,7 @@ def test_a_burst_of_full_transactions_is_answered_none_refused(kit: Kit, db_url:
     with kit.tx() as s:
         assert set(s.scalars(select(Node.state))) == {"active"}
         assert s.scalar(select(Assignment.active_bundle_id).distinct()) is not None
-    assert _gen(kit) > g0  # each back to active: desired state
+    assert generation(kit) > g0  # each back to active: desired state
 
 
 def test_a_watch_waits_for_the_snapshot_as_part_of_its_hold(kit: Kit, db_url: str) -> None:
