@@ -25,8 +25,7 @@ from controller.enrollment import Registered, Registration, register_many
 from controller.errors import Conflict
 from controller.switches import FULL, Switch, Switched, record_switches
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit, generation_kit, inventory
-from tests.controller.test_fleet_watch import _gen
+from tests.controller.enginekit import T0, Kit, generation, generation_kit, inventory
 from tests.controller.test_serve_phase import _send, _stable_and_candidate
 
 ENROLL = Principal(token_id=1, name="enroll", role="agent")
@@ -122,11 +121,11 @@ def test_switches_write_what_the_heartbeat_transaction_writes(kit: Kit) -> None:
             reply = registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", active=active), at,
                                        heartbeat_seconds=5)
         nid, ids = _ids(kit, "gpu-002", active)
-        g0 = _gen(kit)
+        g0 = generation(kit)
         with kit.tx() as s:
             (res,) = record_switches(s, [Switch(nid, "gpu-002", ids, at)])
         assert isinstance(res, Switched)
-        assert (_gen(kit) > g0) == res.changed
+        assert (generation(kit) > g0) == res.changed
         assert _state(kit, "gpu-000") == _state(kit, "gpu-002")
         # the reply built from the switched rows is the transaction's reply
         snap = load_snapshot(kit.factory)
@@ -195,7 +194,7 @@ def test_a_verified_canary_is_patched_into_the_snapshot_without_a_reload(kit: Ki
             (d,) = before.desired(before.nodes["gpu-000"])
             assert (d.active, d.phase) == (stable, "staged")
             _send(kit, "gpu-000", rid, cand, stable, "ok", T0)  # its trial passed: verified, generation g
-            g = _gen(kit)
+            g = generation(kit)
             await asyncio.sleep(0)  # the commit's declared rows reach the loop
             assert hub.snapshot is not before and hub.snapshot.generation == g  # patched, not reloaded
             assert hub.snapshot.nodes["gpu-001"] is before.nodes["gpu-001"]  # copy-on-write: the rest is shared
