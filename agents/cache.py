@@ -43,8 +43,9 @@ class BundleCache:
         self.loader_dir = self.root / "loader"  # kernelpack.loader cache_dir (extractions, Triton cache)
         for d in (self.bundles, self.downloads, self.loader_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for stale in self.downloads.glob(".dl-*"):  # partial downloads of a previous run
-            stale.unlink(missing_ok=True)
+        for stale in self.downloads.glob(".dl-*"):  # a previous run's files; its partial downloads are resumed
+            if not stale.name.endswith(".part"):
+                stale.unlink(missing_ok=True)
 
     def path_of(self, digest: str) -> Path:
         return self.bundles / f"{digest}.kpack"
@@ -105,6 +106,9 @@ class BundleCache:
                 removed.append(digest)
             except OSError as exc:
                 log.warning("could not remove cached bundle %s: %s", p, exc)
+        for part in self.downloads.glob(".dl-*.part"):  # partial downloads of versions no longer wanted
+            if part.name[len(".dl-"):-len(".part")] not in keep_set:
+                part.unlink(missing_ok=True)
         # the loader's read-only extractions and per-bundle Triton caches of versions no longer kept
         for sub in ("bundles", "triton"):
             root = self.loader_dir / sub

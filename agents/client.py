@@ -16,10 +16,8 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import random
 import secrets
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -264,13 +262,16 @@ class ControllerClient:
         """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.
 
         A download cut short is resumed where it stopped (``Range``, the retry of a transport error), and the
-        bytes already received are kept only while the controller answers for the same digest (``ETag``). The
-        caller still verifies signature and trusted key (``agents.cache``) before anything uses it.
+        bytes already received are kept only while the controller answers for the same digest (``ETag``). When
+        the controller stays unreachable (:class:`Unreachable`) the partial file (``.dl-<digest>.part``) is
+        kept, and the next call for the same digest resumes it; any other failure deletes it. The caller still
+        verifies signature and trusted key (``agents.cache``) before anything uses it.
         """
         dest_dir.mkdir(parents=True, exist_ok=True)
         url = f"{API_PREFIX}/bundles/{ref.name}/{ref.version}/content"
-        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".dl-{ref.digest[:12]}-", suffix=".kpack")
-        os.close(fd)
+        tmp = str(dest_dir / f".dl-{ref.digest}.part")
+        with open(tmp, "ab"):  # a partial file of an earlier attempt is resumed
+            pass
 
         def fetch() -> httpx.Response:
             have = Path(tmp).stat().st_size
@@ -294,6 +295,8 @@ class ControllerClient:
 
         try:
             resp = self._call(fetch)
+        except Unreachable:
+            raise  # kept: the next attempt resumes it
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

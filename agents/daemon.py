@@ -2,8 +2,12 @@
 
 A watch thread keeps one heartbeat open at a time: it sends the generation of the desired state it applied
 and the controller holds the request until that changes (a rollback arrives in one round trip) or for
-``heartbeat_seconds``; it downloads + verifies + stages missing versions, switches the published active
-version atomically (a rollback is a switch to the staged stable, at once) and flushes the report outbox.
+``heartbeat_seconds``; it switches the published active version atomically among the staged versions (a
+rollback is a switch to the staged stable, at once) and hands the versions it lacks to the downloader
+(``agents.downloader``: its own thread, one download at a time, with jitter and backoff, never under the
+agent's lock): until a version is staged what serves keeps serving, and when it is, the desired state is
+applied again and a heartbeat without a wait reports it at once (the watch may be held for a whole period).
+Heartbeats go on while a bundle downloads.
 The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox and starts trials when a
 trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
 the active version only after it accepted this node's hard-gates-passed trial report; that bumps the
@@ -32,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.cache import BundleCache, BundleRefused
-from agents.client import ControllerClient, ControllerError, DownloadError
+from agents.client import ControllerClient, ControllerError
+from agents.downloader import Downloader, Wanted
 from agents.inventory import NodeInventory, collect_inventory, memory_free_fraction
 from agents.metrics import AgentMetrics
 from agents.outbox import Outbox, new_idempotency_key
@@ -74,6 +79,8 @@ class AgentConfig:
     max_bundle_bytes: int = 64 * 1024 * 1024
     heartbeat_seconds: float = 5.0  # until the controller says otherwise
     http_timeout_s: float = 10.0
+    download_jitter_s: float = 2.0  # a download starts after a random delay up to this long
+    download_backoff_s: float = 1.0  # a failed download is tried again after about this long, doubling
     trial_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -102,6 +109,8 @@ class Agent:
         self.cache: BundleCache | None = None
         self.client: ControllerClient | None = None
         self.runner: TrialRunner | None = None
+        self.downloader: Downloader | None = None
+        self._missing: list[Wanted] = []  # what the _apply in progress lacks (handed to the downloader)
         self.heartbeat_seconds = cfg.heartbeat_seconds
         self.desired: list[DesiredBundle] = []
         self.active: dict[str, BundleRef] = {}
@@ -150,6 +159,9 @@ class Agent:
         ))
         self.metrics.outbox_depth.set(self.outbox.depth())
         self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        self.downloader = Downloader(self._download, self._on_staged, self._on_refused, self.stop_event,
+                                     jitter_s=cfg.download_jitter_s, backoff_initial_s=cfg.download_backoff_s,
+                                     backoff_max_s=max(4 * cfg.heartbeat_seconds, 30.0))
 
     def _reap_stale_child(self) -> None:
         """Kill a trial child left by a previous agent process that died (SIGKILL) mid-trial."""
@@ -174,6 +186,8 @@ class Agent:
         try:
             self.setup()
             self._register()
+            assert self.downloader is not None
+            self.downloader.start()
             watcher = threading.Thread(target=self._watch_loop, name="watch", daemon=True)
             watcher.start()
             while not self.stop_event.is_set():
@@ -210,6 +224,9 @@ class Agent:
         t = self._trial
         if t is not None:
             t.thread.join(timeout=30)
+        if self.downloader is not None:
+            self.downloader.stop()
+            self.downloader.join(timeout=self.cfg.http_timeout_s)
         if self.client is not None:
             self.client.close()
         self.metrics.close()
@@ -226,20 +243,27 @@ class Agent:
             self.client, self.heartbeat_seconds, self.node = done.client, done.heartbeat_seconds, done.node
 
     # --------------------------------------------------------------------------------------- tick
-    def tick(self) -> bool:
+    def tick(self, *, watch: bool = True) -> bool:
         """One heartbeat round: heartbeat (a watch once the controller gave a generation), apply the desired
-        state, flush reports, maybe start a trial. Returns whether the controller answered."""
+        state, maybe start a trial. Returns whether the controller answered.
+
+        ``watch=False``: a heartbeat without a wait, sent at once (by the downloader when a version is staged:
+        the watch in flight may be held for a whole period); its reply is applied unless the watch applied a
+        newer desired state meanwhile, and a failure is left to the watch thread."""
         client = self.client
-        assert client is not None
+        if client is None:  # registering again (a 401 of the watch)
+            return False
         try:
-            reply = client.heartbeat(self._heartbeat_request())
+            reply = client.heartbeat(self._heartbeat_request(watch))
         except ControllerError as exc:
             if self.stop_event.is_set():
                 return False
             self.metrics.heartbeat_failures.inc()
             log.warning("heartbeat failed: %s", exc)
+            if not watch:
+                return False
             with self._lock:
-                if exc.status == 401 and not self.stop_event.is_set():
+                if exc.status == 401 and not self.stop_event.is_set() and self.client is client:
                     client.close()
                     self.client = None
                     self._register()
@@ -248,11 +272,14 @@ class Agent:
             return False
         with self._lock:
             self._last_heartbeat_ok = time.monotonic()
+            held = self.generation
+            if not watch and held is not None and reply.generation is not None and reply.generation < held:
+                return True  # the watch applied a newer desired state meanwhile
             self.heartbeat_seconds = reply.heartbeat_seconds
             self.generation = reply.generation
             self.desired = list(reply.desired)
             switched = self._apply(self.desired)
-            self._report_now = switched  # the next heartbeat reports the switch at once
+            self._report_now = switched or (self._report_now and not watch)  # the next watch reports a switch
             self._maybe_trial()
         self._wake.set()  # the main loop sends the outbox (never this watch thread)
         return True
@@ -261,7 +288,7 @@ class Agent:
         """A candidate is staged for its pre-serve trial: it is desired, but not (yet) the active version."""
         return any(d.trial is not None and d.active != d.trial.candidate for d in self.desired)
 
-    def _heartbeat_request(self) -> HeartbeatRequest:
+    def _heartbeat_request(self, watch: bool = True) -> HeartbeatRequest:
         staged, seen = [], set()
         assert self.cache is not None
         for d in self.desired:
@@ -269,8 +296,9 @@ class Agent:
                 if ref.digest not in seen and self.cache.has(ref):
                     seen.add(ref.digest)
                     staged.append(ref)
-        watch = self.generation is not None and not self._report_now
-        self._report_now = False
+        if watch:
+            watch = self.generation is not None and not self._report_now
+            self._report_now = False
         return HeartbeatRequest(
             node_name=self.cfg.node_name, staged=staged[:64], active=list(self.active.values())[:64],
             trial_running=self._trial is not None, generation=self.generation,
@@ -290,29 +318,43 @@ class Agent:
 
     # ------------------------------------------------------------------------------ desired state
     def _ensure(self, ref: BundleRef, trial: TrialSpec | None) -> bool:
-        """Make ``ref`` staged (download + verify) if it is not; False when it is not available."""
-        assert self.cache is not None and self.client is not None
+        """Whether ``ref`` is staged; if not (and not refused lately) it is queued for the downloader."""
+        assert self.cache is not None
         if self.cache.has(ref):
             return True
         refused = self.refused.get(ref.digest)
-        if refused is not None and time.monotonic() - refused[0] < REFUSAL_RETRY_S:
-            return False
-        try:
-            tmp = self.client.download_bundle(ref, self.cache.downloads, self.cfg.max_bundle_bytes)
-            self.cache.install(tmp, ref)
+        if refused is None or time.monotonic() - refused[0] >= REFUSAL_RETRY_S:
+            self._missing.append(Wanted(ref, trial if trial is not None and trial.candidate == ref else None))
+        return False
+
+    # --------------------------------------------------------------------------------- downloads
+    def _download(self, ref: BundleRef) -> None:
+        """Download and verify ``ref`` into the cache (the downloader's thread; no lock: bytes move here)."""
+        client, cache = self.client, self.cache
+        if client is None or cache is None:
+            raise ControllerError("not registered (yet)")
+        cache.install(client.download_bundle(ref, cache.downloads, self.cfg.max_bundle_bytes), ref)
+
+    def _on_staged(self, ref: BundleRef) -> None:
+        """``ref`` is staged: apply the desired state again, and report it with a heartbeat without a wait."""
+        with self._lock:
             self.refused.pop(ref.digest, None)
-            return True
-        except (BundleRefused, DownloadError) as exc:
-            reason = exc.reason if isinstance(exc, BundleRefused) else str(exc)
+            if self.stop_event.is_set():
+                return
+            self._apply(self.desired)
+            self._maybe_trial()
+        self.tick(watch=False)  # failed: the watch after the one in flight reports it
+
+    def _on_refused(self, wanted: Wanted, reason: str) -> None:
+        """The downloaded bytes of ``wanted`` failed their digest, size cap or signature: refused for
+        ``REFUSAL_RETRY_S``; a refused candidate is reported as a load error of its trial."""
+        ref = wanted.ref
+        with self._lock:
             self.refused[ref.digest] = (time.monotonic(), reason)
             self.metrics.bundles_refused.inc()
             log.error("bundle %s@%s refused: %s", ref.name, ref.version, reason)
-            if trial is not None and ref.digest in (trial.candidate.digest,):
-                self._report_load_error(trial, f"candidate download refused: {reason}")
-            return False
-        except ControllerError as exc:
-            log.warning("download of %s@%s failed: %s", ref.name, ref.version, exc)
-            return False
+            if wanted.trial is not None:
+                self._report_load_error(wanted.trial, f"candidate download refused: {reason}")
 
     def _report_load_error(self, trial: TrialSpec, detail: str) -> None:
         assert self.outbox is not None
@@ -342,6 +384,7 @@ class Agent:
         (:mod:`agents.serve_gate`) is not served even when named: the stable version serves instead.
         """
         assert self.cache is not None and self.outbox is not None
+        self._missing = []
         new_active: dict[str, BundleRef] = {}
         new_stable: dict[str, BundleRef] = {}
         for d in desired:
@@ -388,6 +431,8 @@ class Agent:
             keep |= {r.digest for r in (t.spec.candidate, t.spec.stable) if r is not None}
         if desired:
             self.cache.gc(keep)
+        if self.downloader is not None:
+            self.downloader.want(self._missing)
         return switched
 
     def _gated(self, d: DesiredBundle) -> BundleRef | None:

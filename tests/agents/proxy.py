@@ -1,10 +1,12 @@
 """A tiny loopback HTTP proxy in front of the real controller: a fixed address for agents while the
 controller restarts on new ports (502 while it is down, like a load balancer), and optional tampering with
-bundle downloads (a man in the middle flipping a byte), or replies lost on the way back."""
+bundle downloads (a man in the middle flipping a byte), a slow link (``throttle``), or replies lost on the way
+back; ``timeline`` records when each request came and when its reply was written."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -22,6 +24,9 @@ class Proxy:
         self.answer: Callable[[str], tuple[int, bytes] | None] = lambda path: None
         self.cut: Callable[[str], bool] = lambda path: False  # send half the body, then drop the connection
         self.ranges: list[str | None] = []  # the Range header of every request
+        self.throttle: Callable[[str], float] = lambda path: 0.0  # spread the reply's body over this many seconds
+        # (monotonic time, "in" as the request arrives / "out" once its reply is written, path, status, body)
+        self.timeline: list[tuple[float, str, str, int, bytes]] = []
         self.requests: list[tuple[str, str, int]] = []
         proxy = self
 
@@ -34,6 +39,7 @@ class Proxy:
             def _handle(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
+                proxy.timeline.append((time.monotonic(), "in", self.path, 0, body))
                 up = proxy.upstream
                 status, headers, content = 502, {}, b'{"detail":"upstream down"}'
                 canned = proxy.answer(self.path)
@@ -68,7 +74,14 @@ class Proxy:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(content)
+                spread = proxy.throttle(self.path) if status < 300 else 0.0
+                step = max(1, len(content) // 20) if spread > 0 else len(content) or 1
+                for i in range(0, len(content), step):  # a slow link: 20 slices, evenly over ``spread``
+                    if i:
+                        time.sleep(spread / 20)
+                    self.wfile.write(content[i:i + step])
+                    self.wfile.flush()
+                proxy.timeline.append((time.monotonic(), "out", self.path, status, body))
 
             do_GET = do_POST = do_PUT = do_DELETE = _handle
 
