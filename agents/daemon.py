@@ -226,7 +226,7 @@ class Agent:
             t.thread.join(timeout=30)
         if self.downloader is not None:
             self.downloader.stop()
-            self.downloader.join(timeout=self.cfg.http_timeout_s)
+            self.downloader.join(timeout=1.0)  # a download in flight ends with the client (a daemon thread)
         if self.client is not None:
             self.client.close()
         self.metrics.close()

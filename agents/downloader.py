@@ -139,8 +139,8 @@ class Downloader:
                         raise NotWanted
                     self._fetch(ref)
         except (BundleRefused, DownloadError) as exc:
-            self._drop(ref)
             self._on_refused(w, exc.reason if isinstance(exc, BundleRefused) else str(exc))
+            self._drop(ref)
             return
         finally:
             self.current = None

@@ -7,9 +7,15 @@ timeout, a dropped connection or a 429/503 (never giving up); a share of the rep
 node. A 409 at registration is a node locked out (counted). Then it keeps one heartbeat open at a time as a
 watch (``wire.HeartbeatRequest`` with the ``generation`` it applied and ``wait_seconds``): the controller
 answers when the node's desired state changes, or after the heartbeat period. A reply is applied at once
-(stable and candidate are both staged, so a switch is instant); every agent downloads each version it does
-not hold yet itself (``download_per_agent``; digest checked), as a real canary does. While the reply carries a
-trial spec a trial coroutine produces one ``wire.TrialReport`` per trial interval (latencies from the judge's
+among the staged versions (stable and candidate side by side, so a switch is instant); every agent downloads
+each version it does not hold yet itself (``download_per_agent``; digest checked), as a real canary does, and
+as the real agent does (``agents.downloader``) in a task of its own, off the heartbeat path: one version at a
+time, after a random delay (``DOWNLOAD_JITTER_S``), a failed download tried again with exponential backoff and
+jitter (tenacity, the agent's ``backoff_wait``); until the desired active version is staged the agent serves
+its stable version (or what it served), and when it is staged the agent applies the desired state again and
+reports it at once with a heartbeat without a wait (``heartbeat_now``). Heartbeats go on while it downloads.
+While the reply carries a trial spec and the candidate is staged, a trial coroutine produces one
+``wire.TrialReport`` per trial interval (latencies from the judge's
 noise model, :mod:`sim.judge.noise`), real-sized (``report_kb``: 6-46 KB, a real agent's report on CPU: many
 latency pairs), kept in the agent's outbox and sent one report per request, as the agent does, until a 200
 acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
@@ -36,7 +42,9 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type
 
+from agents.client import backoff_wait
 from kernelctl import wire
 from sim.fleet import http
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
@@ -47,7 +55,14 @@ REGISTER_TIMEOUT_S = 10.0  # the real agent's HTTP timeout (agents.daemon: Agent
 REGISTER_BACKOFF_S = 1.25  # first retry after about this long (the agent: REGISTER_RETRY_S / 4), doubling
 REGISTER_BACKOFF_MAX_S = 120.0
 JSON = (b"content-type", b"application/json")
+DOWNLOAD_JITTER_S = 2.0  # the agent's default (agents.daemon: AgentConfig.download_jitter_s)
+DOWNLOAD_BACKOFF_S = 1.0  # first retry of a failed download after about this long, doubling ...
+DOWNLOAD_BACKOFF_MAX_S = 30.0  # ... up to this long
 PAIR_BYTES = 110  # one wire.LatencyPair in a report's JSON
+
+
+class DownloadFailed(Exception):
+    """A simulated bundle download failed (no answer, an error status, or bytes of another digest)."""
 
 
 class Stats:
@@ -72,6 +87,7 @@ class Stats:
         self.locked_out: set[str] = set()  # nodes answered 409 at registration (already registered, not theirs)
         self.lost_replies = 0  # registration replies dropped on purpose
         self.downloads = 0  # bundle downloads completed (digest checked)
+        self.download_failures = 0  # download attempts that failed and were tried again
 
     def observe(self, endpoint: str, seconds: float, status: int | str) -> None:
         self.latency[endpoint].append(seconds)
@@ -94,6 +110,7 @@ class SimAgent:
     trials: int = 0
     stopped: bool = False
     trial_task: asyncio.Task[None] | None = None
+    download_task: asyncio.Task[None] | None = None
     hb_key: tuple[Any, ...] | None = None  # what the cached heartbeat body was built from
     hb_body: bytes = b""
     registration_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # kept before the 1st try
@@ -213,6 +230,12 @@ class Fleet:
             backoff = min(REGISTER_BACKOFF_MAX_S, REGISTER_BACKOFF_S * 2 ** min(attempt, 10))
             await asyncio.sleep(max(after, backoff * random.random() + REGISTER_BACKOFF_S))
 
+    def heartbeat_now(self, a: SimAgent) -> bytes:
+        """A heartbeat without a wait reporting what the agent stages and serves now (after a download)."""
+        return wire.HeartbeatRequest(
+            node_name=a.name, staged=list(a.staged.values()), active=[a.active] if a.active else [],
+            generation=a.generation, wait_seconds=0.0).model_dump_json().encode()
+
     async def heartbeat_round(self, a: SimAgent) -> None:
         assert a.token is not None
         hb = self.cfg.heartbeat_seconds
@@ -228,44 +251,106 @@ class Fleet:
             else:
                 await asyncio.sleep(min(hb, 5.0) * (0.5 + random.random()))  # controller down: retry soon
             return
-        reply = wire.HeartbeatResponse.model_validate_json(r.content)
+        self.apply_reply(a, wire.HeartbeatResponse.model_validate_json(r.content))
+
+    def apply_reply(self, a: SimAgent, reply: wire.HeartbeatResponse) -> None:
         a.generation = reply.generation
         for d in reply.desired:
             if d.name == BUNDLE:
-                await self.apply(a, d)
+                self.apply(a, d)
 
-    async def apply(self, a: SimAgent, desired: wire.DesiredBundle) -> None:
+    @staticmethod
+    def missing(a: SimAgent) -> wire.BundleRef | None:
+        """The first version of the desired state the agent does not stage yet (what serves first)."""
+        d = a.desired
+        if d is None:
+            return None
+        for ref in (d.active, d.stable, d.trial.candidate if d.trial else None):
+            if ref is not None and ref.version not in a.staged:
+                return ref
+        return None
+
+    def apply(self, a: SimAgent, desired: wire.DesiredBundle) -> None:
+        """Serve what is staged (as ``agents.daemon``: the desired active version, else the stable one, else
+        what serves) and hand what is missing to the agent's download task; never waits for bytes."""
         a.desired = desired
         want = desired.active  # None: a first version before its pre-serve trial passed (serve none)
-        for ref in (want, desired.stable, desired.trial.candidate if desired.trial else None):
-            if ref is not None and ref.version not in a.staged:
-                await self.fetch_once(a, ref)
-                a.staged[ref.version] = ref
-        if want is not None and (a.active is None or a.active.digest != want.digest):
+        if self.missing(a) is not None and (a.download_task is None or a.download_task.done()):
+            a.download_task = asyncio.create_task(self.download_loop(a))
+        serve = a.active
+        if want is not None and want.version in a.staged:
+            serve = want
+        elif desired.stable is not None and desired.stable.version in a.staged:
+            serve = desired.stable
+        if serve is not None and (a.active is None or a.active.digest != serve.digest):
             was_candidate = a.active is not None and a.active.version == self.candidate
-            a.active = want  # both staged: switching is instant
-            if want.version == self.candidate and desired.role == "candidate":
+            a.active = serve  # staged: switching is instant
+            if serve.version == self.candidate and desired.role == "candidate":
                 self.stats.canary_strata.setdefault(a.name, a.stratum)
             elif was_candidate and a.name not in self.stats.back_to_stable:
                 self.stats.back_to_stable[a.name] = time.monotonic()
                 self.stats.back_to_stable_wall[a.name] = time.time()
-        if desired.trial is not None and desired.role == "candidate" and (a.trial_task is None
-                                                                          or a.trial_task.done()):
+        if desired.trial is not None and desired.role == "candidate" and desired.trial.candidate.version in a.staged \
+                and (a.trial_task is None or a.trial_task.done()):
             a.trial_task = asyncio.create_task(self.trial_loop(a))
+
+    async def download_loop(self, a: SimAgent) -> None:
+        """The agent's download task: stage what its desired state lacks, one version at a time, after a
+        random delay; apply the desired state again and report it at once after each."""
+        await asyncio.sleep(random.random() * DOWNLOAD_JITTER_S)
+        while self.running and not a.stopped:
+            ref = self.missing(a)
+            if ref is None:
+                return
+            try:
+                async for attempt in AsyncRetrying(
+                        retry=retry_if_exception_type(DownloadFailed), reraise=True,
+                        wait=backoff_wait(DOWNLOAD_BACKOFF_S, DOWNLOAD_BACKOFF_MAX_S),
+                        before_sleep=self.count_download_failure):
+                    with attempt:
+                        if not self.running or a.stopped or self.missing(a) != ref:
+                            break  # stopped, or the desired state moved on: look again
+                        await self.fetch_once(a, ref)
+            except DownloadFailed:  # pragma: no cover - retried until it is not wanted any more
+                return
+            if ref.version not in a.staged:
+                continue
+            if a.desired is not None:
+                self.apply(a, a.desired)
+            await self.report_now(a)
+
+    def count_download_failure(self, _retry_state: Any) -> None:
+        self.stats.download_failures += 1
+
+    async def report_now(self, a: SimAgent) -> None:
+        """The heartbeat without a wait after a download (on the agent's connection for writes: its watch is
+        held); its reply is applied unless the watch applied a newer desired state meanwhile."""
+        if a.token is None:
+            return
+        r = await self.request(a, "heartbeat_now", "POST", "/v1/agents/heartbeat", a.token, self.heartbeat_now(a),
+                               timeout=30, gated=False)
+        if r is None or r.status_code != 200:
+            return  # the watch after the one in flight reports it
+        reply = wire.HeartbeatResponse.model_validate_json(r.content)
+        if a.generation is None or reply.generation is None or reply.generation >= a.generation:
+            self.apply_reply(a, reply)
 
     async def fetch_once(self, a: SimAgent, ref: wire.BundleRef) -> None:
         """Download a version's bundle: by every agent that lacks it (``download_per_agent``, as real agents
-        do), else once for the whole simulated fleet; digest checked."""
+        do), else once for the whole simulated fleet; digest checked; staged on success, else
+        :class:`DownloadFailed`."""
         once = not self.cfg.download_per_agent
         if once and ref.version in self.fetched:
+            a.staged[ref.version] = ref
             return
         self.fetched.add(ref.version)
         r = await self.request(a, "bundle_content", "GET", f"/v1/bundles/{ref.name}/{ref.version}/content",
                                a.token or "", timeout=120)
         if r is None or r.status_code != 200 or hashlib.sha256(r.content).hexdigest() != ref.digest:
             self.fetched.discard(ref.version)
-        else:
-            self.stats.downloads += 1
+            raise DownloadFailed(f"{ref.name}@{ref.version}: {r.status_code if r is not None else 'no answer'}")
+        self.stats.downloads += 1
+        a.staged[ref.version] = ref
 
     # ------------------------------------------------------------------------------ trials
     async def trial_loop(self, a: SimAgent) -> None:

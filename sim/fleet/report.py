@@ -170,7 +170,8 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
         "registered": sum(1 for a in fleet.agents if a.token),
         "registration": {"locked_out": len(stats.locked_out), "replies_lost_on_purpose": stats.lost_replies,
                          "timeout_s": 10.0},
-        "downloads": {"completed": stats.downloads, "per_agent": cfg.download_per_agent},
+        "downloads": {"completed": stats.downloads, "failed_and_retried": stats.download_failures,
+                      "per_agent": cfg.download_per_agent},
         "report_kb": list(cfg.report_kb),
         "checks": checks, "passed": all(checks.values()),
     }
