@@ -1,6 +1,7 @@
 """Bundle downloads by digest (issue 28), over real HTTP on SQLite and PostgreSQL: the bytes come from the
 replica's cache after the first read, a ``Range`` resumes a cut download, the digest is a strong ETag (304),
-and a range outside the bundle is 416."""
+and a range outside the bundle is 416; the agent's client resumes a cut download, also in its next call after
+it gave up (the partial file is kept)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import hashlib
 
 import pytest
 
-from agents.client import ControllerClient
+from agents.client import ControllerClient, Unreachable
 from controller.bundle_bytes import BundleBytes, byte_range
 from kernelctl import wire
 from tests.agents.proxy import Proxy
@@ -67,3 +68,19 @@ def test_download_resumes_with_a_range_and_revalidates_by_digest(db_url: str, tm
         assert got.read_bytes() == data
         assert [s for _m, p, s in proxy.requests] == [200, 206]
         assert proxy.ranges[0] is None and proxy.ranges[1].startswith("bytes=") and proxy.ranges[1] != "bytes=0-"
+        with Proxy(ctl.url) as proxy:  # cut every time until the client gives up: the next call resumes
+            proxy.cut = lambda path: path.endswith("/content") and len(proxy.requests) <= 2
+            client = ControllerClient(proxy.url, token, max_attempts=2, backoff_initial=0.05, backoff_max=0.2)
+            ref = wire.BundleRef(name="llm-fused", version="1.0.0", digest=digest)
+            try:
+                with pytest.raises(Unreachable):
+                    client.download_bundle(ref, tmp_path / "dl2", max_bytes=1 << 30)
+                kept = tmp_path / "dl2" / f".dl-{digest}.part"
+                have = kept.stat().st_size
+                assert 0 < have < len(data)  # the partial file is kept for the next attempt
+                got = client.download_bundle(ref, tmp_path / "dl2", max_bytes=1 << 30)
+            finally:
+                client.close()
+        assert got.read_bytes() == data
+        assert [s for _m, p, s in proxy.requests] == [200, 206, 206]
+        assert proxy.ranges[2] == f"bytes={have}-"
