@@ -143,6 +143,7 @@ class DesiredHub:
             held += waited if watch else 0.0
         path = "fast"
         deadline = time.monotonic() + min(req.wait_seconds, 600.0)
+        woken = False  # the body's effects were judged (and written) at arrival: a held watch never writes again
         while True:
             snap = store.snapshot
             node = snap.nodes.get(req.node_name)
@@ -152,6 +153,13 @@ class DesiredHub:
             now = dt.datetime.now(dt.timezone.utc)
             effects = snap.effects(node, req, now) if node is not None and not behind else None
             mine = store.node_gen.get(req.node_name, snap.generation)
+            if woken and node is not None and not behind and (effects is None or not effects.liveness_only):
+                # what is stored moved away from this body while it was held: a newer heartbeat of the node (an
+                # agent's report after a download, a restarted agent) wrote since. Its stale body is not written
+                # again; it is answered at once and the node's next heartbeat reports what it has now.
+                return wire.HeartbeatResponse.model_construct(
+                    node_name=req.node_name, desired=snap.desired(node), heartbeat_seconds=heartbeat_seconds,
+                    server_time=now, generation=mine), held, path
             overlap = watch and effects is not None and not effects.liveness_only and effects.desired_unchanged \
                 and have >= mine and deadline > time.monotonic()
             if node is not None and effects is not None and effects.liveness_only:
@@ -180,6 +188,7 @@ class DesiredHub:
                 reply, gen, path = await pending  # its error (503, ...) is the answer
                 if gen > have or deadline - time.monotonic() <= 0:
                     return reply.model_copy(update={"generation": gen}), held, path
+            woken = True
             if recheck is not None:
                 await recheck()  # its token may have been revoked while it waited
             if self._stopping:

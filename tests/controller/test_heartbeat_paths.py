@@ -5,6 +5,8 @@
   generation it holds, and reported as the switch it was; a write that fails ends the hold with its error.
 * Heartbeats that need the full transaction (nodes marked stale coming back at once) are queued, not refused: a
   burst far past ``max_pending_writes`` is answered.
+* A held watch never writes its body again when it wakes: a newer heartbeat of the node (an agent reporting a
+  version it staged meanwhile) is not undone by the stale body.
 * A watch carrying a generation newer than the snapshot waits for the snapshot as part of its hold, measured
   apart (``kernelctl_heartbeat_catch_up_seconds``).
 """
@@ -73,6 +75,35 @@ def test_a_watch_is_held_while_its_switch_commits(kit: Kit, db_url: str) -> None
     with kit.tx() as s:
         assert s.scalar(select(Assignment.active_bundle_id)) == s.scalar(select(Activation.bundle_id))
         assert s.scalar(select(Assignment.active_bundle_id)) is not None
+
+
+def test_a_held_watch_never_writes_its_body_over_a_newer_heartbeat(kit: Kit, db_url: str) -> None:
+    """An agent reports a version it staged while its watch is held (a heartbeat without a wait, after a download):
+    the held watch, whose body still says nothing is active, does not switch the node back when it ends."""
+    stable = _stable(kit, 1)
+
+    async def run() -> tuple[wire.HeartbeatResponse, str]:
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60)
+        await hub.start()
+        try:
+            first, _h, _p = await hub.heartbeat(wire.HeartbeatRequest(node_name="gpu-000"), heartbeat_seconds=5)
+            watch = asyncio.ensure_future(hub.heartbeat(wire.HeartbeatRequest(
+                node_name="gpu-000", generation=first.generation, wait_seconds=1.0), heartbeat_seconds=5))
+            await asyncio.sleep(0.2)
+            _r, _h, now_path = await hub.heartbeat(wire.HeartbeatRequest(
+                node_name="gpu-000", active=[stable], staged=[stable], generation=first.generation),
+                heartbeat_seconds=5)
+            reply, _h, _p = await watch
+            await asyncio.sleep(0.1)
+            return reply, now_path
+        finally:
+            await hub.stop()
+
+    reply, now_path = asyncio.run(run())
+    assert now_path == "switch" and reply.desired[0].active == stable
+    with kit.tx() as s:
+        assert s.scalar(select(Assignment.active_bundle_id)) is not None  # not switched back by the stale body
+        assert [a.ended_at for a in s.scalars(select(Activation))] == [None]  # one activation, still open
 
 
 def test_a_failed_write_ends_the_hold_with_its_error(kit: Kit, db_url: str) -> None:
