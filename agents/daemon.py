@@ -6,7 +6,8 @@ and the controller holds the request until that changes (a rollback arrives in o
 rollback is a switch to the staged stable, at once) and hands the versions it lacks to the downloader
 (``agents.downloader``: its own thread, one download at a time, with jitter and backoff, never under the
 agent's lock): until a version is staged what serves keeps serving, and when it is, the desired state is
-applied again and a heartbeat without a wait reports it at once (the watch may be held for a whole period).
+applied again and a heartbeat sent at once from the downloader's thread reports it (the watch thread's watch
+may be held for a whole period).
 Heartbeats go on while a bundle downloads.
 The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox and starts trials when a
 trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
@@ -243,24 +244,27 @@ class Agent:
             self.client, self.heartbeat_seconds, self.node = done.client, done.heartbeat_seconds, done.node
 
     # --------------------------------------------------------------------------------------- tick
-    def tick(self, *, watch: bool = True) -> bool:
+    def tick(self, *, report: bool = False) -> bool:
         """One heartbeat round: heartbeat (a watch once the controller gave a generation), apply the desired
         state, maybe start a trial. Returns whether the controller answered.
 
-        ``watch=False``: a heartbeat without a wait, sent at once (by the downloader when a version is staged:
-        the watch in flight may be held for a whole period); its reply is applied unless the watch applied a
-        newer desired state meanwhile, and a failure is left to the watch thread."""
+        ``report=True``: the downloader's report of a version it staged, sent at once (the watch thread's watch in
+        flight may be held for a whole period): a watch like the others (the controller writes what it reports
+        on arrival, a version switch held while it commits), so the downloader thread may wait up to a period
+        for its reply; the reply is applied unless the watch thread applied a newer desired state meanwhile,
+        and a failure is left to the watch thread. The controller never writes a held watch's body again when
+        it wakes (``controller.desired.hub``), so the watch in flight does not undo this report."""
         client = self.client
         if client is None:  # registering again (a 401 of the watch)
             return False
         try:
-            reply = client.heartbeat(self._heartbeat_request(watch))
+            reply = client.heartbeat(self._heartbeat_request(consume=not report))
         except ControllerError as exc:
             if self.stop_event.is_set():
                 return False
             self.metrics.heartbeat_failures.inc()
             log.warning("heartbeat failed: %s", exc)
-            if not watch:
+            if report:
                 return False
             with self._lock:
                 if exc.status == 401 and not self.stop_event.is_set() and self.client is client:
@@ -273,13 +277,13 @@ class Agent:
         with self._lock:
             self._last_heartbeat_ok = time.monotonic()
             held = self.generation
-            if not watch and held is not None and reply.generation is not None and reply.generation < held:
+            if report and held is not None and reply.generation is not None and reply.generation < held:
                 return True  # the watch applied a newer desired state meanwhile
             self.heartbeat_seconds = reply.heartbeat_seconds
             self.generation = reply.generation
             self.desired = list(reply.desired)
             switched = self._apply(self.desired)
-            self._report_now = switched or (self._report_now and not watch)  # the next watch reports a switch
+            self._report_now = switched or (self._report_now and report)  # the next watch reports a switch
             self._maybe_trial()
         self._wake.set()  # the main loop sends the outbox (never this watch thread)
         return True
@@ -288,7 +292,7 @@ class Agent:
         """A candidate is staged for its pre-serve trial: it is desired, but not (yet) the active version."""
         return any(d.trial is not None and d.active != d.trial.candidate for d in self.desired)
 
-    def _heartbeat_request(self, watch: bool = True) -> HeartbeatRequest:
+    def _heartbeat_request(self, consume: bool = True) -> HeartbeatRequest:
         staged, seen = [], set()
         assert self.cache is not None
         for d in self.desired:
@@ -296,8 +300,8 @@ class Agent:
                 if ref.digest not in seen and self.cache.has(ref):
                     seen.add(ref.digest)
                     staged.append(ref)
-        if watch:
-            watch = self.generation is not None and not self._report_now
+        watch = self.generation is not None and not self._report_now
+        if consume:
             self._report_now = False
         return HeartbeatRequest(
             node_name=self.cfg.node_name, staged=staged[:64], active=list(self.active.values())[:64],
@@ -336,14 +340,14 @@ class Agent:
         cache.install(client.download_bundle(ref, cache.downloads, self.cfg.max_bundle_bytes), ref)
 
     def _on_staged(self, ref: BundleRef) -> None:
-        """``ref`` is staged: apply the desired state again, and report it with a heartbeat without a wait."""
+        """``ref`` is staged: apply the desired state again, and report it at once (``tick(report=True)``)."""
         with self._lock:
             self.refused.pop(ref.digest, None)
             if self.stop_event.is_set():
                 return
             self._apply(self.desired)
             self._maybe_trial()
-        self.tick(watch=False)  # failed: the watch after the one in flight reports it
+        self.tick(report=True)  # failed: the watch after the one in flight reports it
 
     def _on_refused(self, wanted: Wanted, reason: str) -> None:
         """The downloaded bytes of ``wanted`` failed their digest, size cap or signature: refused for

@@ -13,7 +13,7 @@ as the real agent does (``agents.downloader``) in a task of its own, off the hea
 time, after a random delay (``DOWNLOAD_JITTER_S``), a failed download tried again with exponential backoff and
 jitter (tenacity, the agent's ``backoff_wait``); until the desired active version is staged the agent serves
 its stable version (or what it served), and when it is staged the agent applies the desired state again and
-reports it at once with a heartbeat without a wait (``heartbeat_now``). Heartbeats go on while it downloads.
+reports it at once (``heartbeat_now``: a watch sent on its other connection, as the agent's downloader does). Heartbeats go on while it downloads.
 While the reply carries a trial spec and the candidate is staged, a trial coroutine produces one
 ``wire.TrialReport`` per trial interval (latencies from the judge's
 noise model, :mod:`sim.judge.noise`), real-sized (``report_kb``: 6-46 KB, a real agent's report on CPU: many
@@ -231,10 +231,12 @@ class Fleet:
             await asyncio.sleep(max(after, backoff * random.random() + REGISTER_BACKOFF_S))
 
     def heartbeat_now(self, a: SimAgent) -> bytes:
-        """A heartbeat without a wait reporting what the agent stages and serves now (after a download)."""
+        """The heartbeat reporting what the agent stages and serves now (after a download): a watch like the
+        others (written on arrival; a switch that leaves the desired state as it is held while it commits)."""
         return wire.HeartbeatRequest(
             node_name=a.name, staged=list(a.staged.values()), active=[a.active] if a.active else [],
-            generation=a.generation, wait_seconds=0.0).model_dump_json().encode()
+            generation=a.generation,
+            wait_seconds=self.cfg.heartbeat_seconds if a.generation is not None else 0.0).model_dump_json().encode()
 
     async def heartbeat_round(self, a: SimAgent) -> None:
         assert a.token is not None
@@ -323,12 +325,13 @@ class Fleet:
         self.stats.download_failures += 1
 
     async def report_now(self, a: SimAgent) -> None:
-        """The heartbeat without a wait after a download (on the agent's connection for writes: its watch is
-        held); its reply is applied unless the watch applied a newer desired state meanwhile."""
+        """The report after a download, sent at once (on the agent's connection for writes: its watch is held),
+        as ``agents.daemon`` does from its downloader's thread; its reply is applied unless the watch applied a
+        newer desired state meanwhile."""
         if a.token is None:
             return
         r = await self.request(a, "heartbeat_now", "POST", "/v1/agents/heartbeat", a.token, self.heartbeat_now(a),
-                               timeout=30, gated=False)
+                               timeout=self.cfg.heartbeat_seconds + 60, gated=False)
         if r is None or r.status_code != 200:
             return  # the watch after the one in flight reports it
         reply = wire.HeartbeatResponse.model_validate_json(r.content)

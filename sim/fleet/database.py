@@ -60,3 +60,17 @@ def stored_report_keys(url: str) -> set[str]:
             return set(conn.execute(select(Report.idempotency_key)).scalars())
     finally:
         engine.dispose()
+
+
+def stale_marks(url: str) -> int:
+    """How many times the controller marked a node stale during the run (``node.stale`` events)."""
+    from sqlalchemy import create_engine, func, select
+
+    from controller.db.models import Event
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.scalar(select(func.count()).select_from(Event).where(Event.action == "node.stale")) or 0)
+    finally:
+        engine.dispose()

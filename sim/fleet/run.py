@@ -27,7 +27,7 @@ from sim.fleet import operator
 from sim.fleet.agents import Fleet, Stats
 from sim.fleet.bundles import SimBundles, default_bundle_cache, prepare_bundles
 from sim.fleet.config import BASELINE, FleetConfig, SimError, SimTimeout
-from sim.fleet.database import database, stored_report_keys
+from sim.fleet.database import database, stale_marks, stored_report_keys
 from sim.fleet.report import summarise
 
 REGISTER_RAMP_PER_S = 400.0  # agents start over nodes / this many seconds (at most one heartbeat period)
@@ -154,6 +154,7 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
     stored = await asyncio.to_thread(stored_report_keys, db_url)
     res = summarise(cfg, fleet, stats, detail, rolled, back, metrics_text, nodes, stored, wall, phases,
                     fleet.restart)
+    res["stale"]["marked_during_run"] = await asyncio.to_thread(stale_marks, db_url)  # flapping, not only the end
     n = sum(len(v) for v in stats.latency.values())
     res["simulator"] = {"event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
                         "cpu_s": round(cpu, 2), "cpu_share": round(cpu / wall, 3) if wall else None,
