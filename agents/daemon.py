@@ -3,12 +3,9 @@
 A watch thread keeps one heartbeat open at a time: it sends the generation of the desired state it applied
 and the controller holds the request until that changes (a rollback arrives in one round trip) or for
 ``heartbeat_seconds``; it switches the published active version atomically among the staged versions (a
-rollback is a switch to the staged stable, at once) and hands the versions it lacks to the downloader
-(``agents.downloader``: its own thread, one download at a time, with jitter and backoff, never under the
-agent's lock): until a version is staged what serves keeps serving, and when it is, the desired state is
-applied again and a heartbeat sent at once from the downloader's thread reports it (the watch thread's watch
-may be held for a whole period).
-Heartbeats go on while a bundle downloads.
+rollback is a switch to the staged stable, at once) and hands what it lacks to ``agents.downloader`` (its
+own thread, never under the agent's lock; heartbeats go on meanwhile): what serves keeps serving until the
+version is staged, then the desired state is applied again and reported at once (``tick(report=True)``).
 The main thread blocks in ``Event.wait`` (no busy loop) and flushes the outbox and starts trials when a
 trial ends or every ``heartbeat_seconds``. Trial before serve: the controller names a canary's candidate as
 the active version only after it accepted this node's hard-gates-passed trial report; that bumps the
@@ -248,12 +245,9 @@ class Agent:
         """One heartbeat round: heartbeat (a watch once the controller gave a generation), apply the desired
         state, maybe start a trial. Returns whether the controller answered.
 
-        ``report=True``: the downloader's report of a version it staged, sent at once (the watch thread's watch in
-        flight may be held for a whole period): a watch like the others (the controller writes what it reports
-        on arrival, a version switch held while it commits), so the downloader thread may wait up to a period
-        for its reply; the reply is applied unless the watch thread applied a newer desired state meanwhile,
-        and a failure is left to the watch thread. The controller never writes a held watch's body again when
-        it wakes (``controller.desired.hub``), so the watch in flight does not undo this report."""
+        ``report=True``: the downloader's report of a version it staged, sent at once beside the watch in flight,
+        as a watch (written on arrival; the controller never writes a held watch's body again, so the older
+        watch does not undo it); its reply is applied unless a newer one was; a failure is the watch's business."""
         client = self.client
         if client is None:  # registering again (a 401 of the watch)
             return False
@@ -331,11 +325,9 @@ class Agent:
             self._missing.append(Wanted(ref, trial if trial is not None and trial.candidate == ref else None))
         return False
 
-    # --------------------------------------------------------------------------------- downloads
     def _download(self, ref: BundleRef) -> None:
         """Download and verify ``ref`` into the cache (the downloader's thread; no lock: bytes move here)."""
-        client, cache = self.client, self.cache
-        if client is None or cache is None:
+        if (client := self.client) is None or (cache := self.cache) is None:
             raise ControllerError("not registered (yet)")
         cache.install(client.download_bundle(ref, cache.downloads, self.cfg.max_bundle_bytes), ref)
 
@@ -350,10 +342,10 @@ class Agent:
         self.tick(report=True)  # failed: the watch after the one in flight reports it
 
     def _on_refused(self, wanted: Wanted, reason: str) -> None:
-        """The downloaded bytes of ``wanted`` failed their digest, size cap or signature: refused for
-        ``REFUSAL_RETRY_S``; a refused candidate is reported as a load error of its trial."""
-        ref = wanted.ref
+        """``wanted`` failed its digest, size cap or signature: refused for ``REFUSAL_RETRY_S`` (a candidate: a
+        load error of its trial)."""
         with self._lock:
+            ref = wanted.ref
             self.refused[ref.digest] = (time.monotonic(), reason)
             self.metrics.bundles_refused.inc()
             log.error("bundle %s@%s refused: %s", ref.name, ref.version, reason)
