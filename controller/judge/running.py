@@ -163,10 +163,10 @@ class RunningSide:
         n0, k = self.n, x.size
         y = np.clip(x, self.lo, self.hi)
         self.y.append(y)
-        new = [0] if n0 == 0 else []
+        new = [] if self.starts.size else [0]  # the test over the whole series, then (regress) the restarts
         if self.side == "regress":
-            first = max(RESTART_EVERY, -(-n0 // RESTART_EVERY) * RESTART_EVERY)
-            new += list(range(first, n0 + k, RESTART_EVERY))
+            new += list(range(int(self.starts[-1]) + RESTART_EVERY if self.starts.size else RESTART_EVERY,
+                              n0 + k, RESTART_EVERY))
         if new:
             self._add_rows(new)
         if k == 0:
