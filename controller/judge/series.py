@@ -12,7 +12,8 @@ tick costs what the new reports cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from controller.judge.family import FamilyState, FamilyVerdict, MetricSeries
 from controller.plan import PlanSpec
@@ -73,8 +74,18 @@ class SeriesBuilder:
         return out
 
 
+class Carried(Protocol):
+    """What a gate carries between ticks: its measurements, extended by the reports appended since."""
+
+    def extend(self, reports: Sequence[tuple[str, ReportSignals]]) -> Any: ...
+
+
+C = TypeVar("C", bound=Carried)
+
+
 class JudgeMemo:
-    """One stratum's judged series and tests, carried between the leader's ticks.
+    """One stratum's judged state carried between the leader's ticks: each gate's measurements (the latency
+    series, the memory and launch observations) and the family's tests.
 
     It continues only the report list object it has read before, grown by appends (its owner hands a fresh
     list whenever the evidence changed otherwise: a late report placed earlier, a node leaving or coming back);
@@ -87,15 +98,19 @@ class JudgeMemo:
 
     def _start(self, source: list[tuple[str, ReportSignals]] | None) -> None:
         self.source = source
-        self.consumed = 0
-        self.builder = SeriesBuilder()
+        self._carried: dict[str, tuple[Carried, int]] = {}  # name -> (measurements, reports read into them)
         self.family = FamilyState()
+
+    def carried(self, name: str, reports: list[tuple[str, ReportSignals]], factory: Callable[[], C]) -> C:
+        """The measurements ``name`` (made by ``factory``) extended by the reports they have not read yet."""
+        if reports is not self.source or any(n > len(reports) for _, n in self._carried.values()):
+            self.restarts += self.source is not None
+            self._start(reports)
+        acc, n = self._carried.get(name) or (factory(), 0)
+        acc.extend(reports[n:])
+        self._carried[name] = (acc, len(reports))
+        return acc  # type: ignore[return-value]
 
     def series(self, reports: list[tuple[str, ReportSignals]], plan: PlanSpec) -> Judged:
         """The judged series of ``reports`` (only the reports beyond those read before are read)."""
-        if reports is not self.source or len(reports) < self.consumed:
-            self.restarts += self.source is not None
-            self._start(reports)
-        self.builder.extend(reports[self.consumed:])
-        self.consumed = len(reports)
-        return self.builder.series(plan)
+        return self.carried("latency", reports, SeriesBuilder).series(plan)

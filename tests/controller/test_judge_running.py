@@ -1,4 +1,5 @@
-"""The betting tests carried between calls (controller.judge.running) equal the full recomputation, bit for bit.
+"""The judge's state carried between calls (controller.judge.running, the gates' observations in a JudgeMemo)
+equals the full recomputation, bit for bit.
 
 Random series (a candidate within the margin, at it, past it, a late regression, autocorrelated nodes, exact
 zeros of both signs, a node hogging the samples) fed in random chunks, in chunks of one and in one piece: after
@@ -15,8 +16,14 @@ import numpy as np
 import pytest
 
 from controller.judge.family import FamilyState, MetricSeries, judge_family
+from controller.judge.gates import GateContext, StepEvidence
+from controller.judge.gates.launches import LaunchesGate
+from controller.judge.gates.memory import MemoryGate
 from controller.judge.latency import judge_latency
 from controller.judge.running import LatencyState
+from controller.judge.series import JudgeMemo
+from controller.plan import PlanSpec, StepSpec
+from controller.signals import ReportSignals
 
 MARGIN = math.log(1.02)
 
@@ -136,3 +143,33 @@ def test_bounds_reuse_the_points_of_the_last_search() -> None:
     first = st.bounds["pass"].computed
     st.verdict(alpha=0.05, min_samples=5)  # nothing new: every point asked about is carried
     assert st.bounds["pass"].computed == first
+
+
+def test_memory_and_launch_observations_carried_equal_a_full_read() -> None:
+    """The memory and launches gates' measurements carried by a JudgeMemo (sorted per cell, extended by the
+    appended reports) give the views of a read of every report, at every tick; a new list starts them again."""
+    rng = np.random.default_rng(12)
+    plan = PlanSpec(steps=[StepSpec(percent=50, bake_seconds=40, min_samples=6, deadline_seconds=900)])
+    ctx = GateContext(plan, plan.steps[0])
+    reports: list[tuple[str, ReportSignals]] = []
+    memo = JudgeMemo()
+    decisions = set()
+    for tick in range(6):
+        for _ in range(int(rng.integers(0, 9))):
+            cells = [c for c in ("a@1", "b@8", "c@64") if rng.random() < 0.8]
+            mem = {c: (float(rng.choice([0, 1000, 2000])), float(rng.choice([0, 900, 1000, 2600]))) for c in cells}
+            lau = {c: (float(rng.integers(1, 4)), float(rng.integers(1, 4))) for c in cells}
+            free = None if rng.random() < 0.3 else int(rng.choice([500, 2500]))
+            reports.append((str(int(rng.integers(0, 5))),
+                            ReportSignals(memory=mem, launches=lau, free_memory_bytes=free)))
+        for gate in (MemoryGate(), LaunchesGate()):
+            full = gate.measure(StepEvidence(len(reports), list(reports)), ctx)
+            carried = gate.measure(StepEvidence(len(reports), reports, judge=memo), ctx)
+            assert repr([v.as_dict() for v in carried]) == repr([v.as_dict() for v in full]), tick
+            decisions |= {v.decision.value for v in full}
+    assert {"regress", "pass"} <= decisions  # not vacuous
+    assert memo.restarts == 0
+    reports = reports[1:]  # not an append: a fresh list
+    full = MemoryGate().measure(StepEvidence(len(reports), list(reports)), ctx)
+    assert repr(MemoryGate().measure(StepEvidence(len(reports), reports, judge=memo), ctx)) == repr(full)
+    assert memo.restarts == 1

@@ -18,7 +18,7 @@ from controller.evidence import EvidenceCache
 from controller.gates import step_evidence
 from controller.ingest import ingest_reports
 from controller.judge.family import judge_family
-from controller.judge.gates import GateContext, StepEvidence
+from controller.judge.gates import GATES, GateContext, StepEvidence
 from controller.judge.gates.latency import series
 from controller.plan import PlanSpec, StepSpec, load_plan
 from controller.tick import run_tick
@@ -56,17 +56,23 @@ def _same_evidence(full: dict, inc: dict) -> None:
         assert inc[key].reports == ev.reports, key  # same nodes, same signals, same order
 
 
-def _full_family(s, judged: dict, full_ev: dict) -> dict:
-    """Per judged stratum, the latency family verdict recomputed from the whole evidence (exact ``repr``)."""
+def _full_judged(s, judged: dict, full_ev: dict) -> dict:
+    """Per judged stratum: its gate context, the latency family verdict and every gate's metric views, recomputed
+    from the whole evidence (exact ``repr``)."""
     out = {}
     for sid, key in judged.items():
         row = s.get(RolloutStratum, sid)
         plan = load_plan(row.rollout.plan)
         ctx = GateContext(plan, plan.steps[min(row.step_index, len(plan.steps) - 1)])
-        ser = series(full_ev.get(key) or StepEvidence(), ctx)
-        out[key] = repr(judge_family({k: m for k, (m, _k, _s) in ser.items()}, alpha=plan.alpha,
-                                     min_samples=ctx.step.min_samples).as_dict())
+        ev = full_ev.get(key) or StepEvidence()
+        ser = series(ev, ctx)
+        out[key] = (ctx, repr(judge_family({k: m for k, (m, _k, _s) in ser.items()}, alpha=plan.alpha,
+                                           min_samples=ctx.step.min_samples).as_dict()), _views(ev, ctx))
     return out
+
+
+def _views(ev: StepEvidence, ctx: GateContext) -> str:
+    return repr([v.as_dict() for g in GATES for v in g.measure(ev, ctx)])
 
 
 def judged_tick(kit: Kit, cache: EvidenceCache, seconds: float) -> list[tuple[str, str]]:
@@ -83,13 +89,15 @@ def judged_tick(kit: Kit, cache: EvidenceCache, seconds: float) -> list[tuple[st
             select(RolloutStratum).where(RolloutStratum.state == PROGRESSING))}
         full_ev, inc_ev = step_evidence(s, list(judged)), cache.step_evidence(s, judged)
         _same_evidence(full_ev, inc_ev)
-        want = _full_family(s, judged, full_ev)
+        want = _full_judged(s, judged, full_ev)
         for ev in inc_ev.values():
             ev.judge.last = None
         inc = run_tick(s, at(seconds), settings=LIVE, cache=cache)
         for key, ev in inc_ev.items():
-            if ev.judge.last is not None:  # the latency gate ran (a baseline, no hard failure)
-                assert repr(ev.judge.last.as_dict()) == want[key], key
+            if ev.judge.last is not None:  # the gates ran (a baseline, no hard failure)
+                ctx, family, views = want[key]
+                assert repr(ev.judge.last.as_dict()) == family, key
+                assert _views(ev, ctx) == views, key  # memory, launches, latency, numeric: carried = full
                 JUDGED[key] = JUDGED.get(key, 0) + 1
         inc_verdicts = _verdicts(s, last)
     assert inc.decisions == full.decisions
