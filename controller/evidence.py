@@ -23,8 +23,9 @@ Rebuilt from scratch (:meth:`EvidenceCache.reset`; the caller does it on a new l
 tick) on any doubt: a node of a cached report no longer exists, and every ``REBUILD_SECONDS`` regardless.
 
 **The judge's state** rides along (issue 28): each stratum's evidence list is handed to the judge with a
-:class:`~controller.judge.series.JudgeMemo` that keeps the judged series and the betting tests' state
-(:mod:`controller.judge.running`) and reads only the reports appended since the last tick. The list is the same
+:class:`~controller.judge.series.JudgeMemo` that keeps each gate's measurements (the latency series, the
+memory and launch observations) and the betting tests' state (:mod:`controller.judge.running`) and reads only
+the reports appended since the last tick. The list is the same
 object, appended in place, only while the evidence grew at its end; a report placed before the end (received
 earlier than one already read), a node going stale or coming back, or any rebuild above hands a fresh list and
 a fresh state, and the judge starts again from the whole evidence. Either way the decision is the one the full
