@@ -21,6 +21,15 @@ watermark moves past a report only when no report with a lower id can still comm
 
 Rebuilt from scratch (:meth:`EvidenceCache.reset`; the caller does it on a new leadership and after a failed
 tick) on any doubt: a node of a cached report no longer exists, and every ``REBUILD_SECONDS`` regardless.
+
+**The judge's state** rides along (issue 28): each stratum's evidence list is handed to the judge with a
+:class:`~controller.judge.series.JudgeMemo` that keeps each gate's measurements (the latency series, the
+memory and launch observations) and the betting tests' state (:mod:`controller.judge.running`) and reads only
+the reports appended since the last tick. The list is the same
+object, appended in place, only while the evidence grew at its end; a report placed before the end (received
+earlier than one already read), a node going stale or coming back, or any rebuild above hands a fresh list and
+a fresh state, and the judge starts again from the whole evidence. Either way the decision is the one the full
+recomputation takes, bit for bit.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from sqlalchemy.orm import Session
 from controller.db.models import Node, Report, RolloutStratum
 from controller.gates import Key, as_utc
 from controller.judge.gates import StepEvidence
+from controller.judge.series import JudgeMemo
 from controller.signals import ReportSignals
 
 SETTLE_SECONDS = 30.0
@@ -58,20 +68,6 @@ _COLUMNS = (Report.id, Report.rollout_id, Report.stratum, Report.node_id, Report
 
 
 @dataclass
-class _Series:
-    """One stratum's ok reports: sorted ``(received_at, id)`` keys, the same order of (node id, signals)."""
-
-    order: list[tuple[dt.datetime, int]] = field(default_factory=list)
-    items: list[tuple[int, ReportSignals]] = field(default_factory=list)
-
-    def add(self, received_at: dt.datetime, rid: int, node_id: int, sig: ReportSignals) -> None:
-        k = (as_utc(received_at), rid)
-        i = bisect.bisect(self.order, k)  # a late-committing report lands where the full read puts it
-        self.order.insert(i, k)
-        self.items.insert(i, (node_id, sig))
-
-
-@dataclass
 class CacheStats:
     """What the cache did (for the benchmark and the tests): full reads, rows parsed, ticks served."""
 
@@ -80,6 +76,43 @@ class CacheStats:
     rows_parsed: int = 0
     ticks: int = 0
     pending: int = 0  # ids above the watermark held after the last tick
+    judge_restarts: int = 0  # a stratum's judged state started again (not an append: late report, node change)
+
+
+@dataclass
+class _Series:
+    """One stratum's ok reports: sorted ``(received_at, id)`` keys, the same order of (node id, signals); and
+    what the last tick judged: the reports of active nodes (``view``, a list only ever appended to while the
+    evidence only grows at its end) with the judge's state carried on it (``memo``)."""
+
+    order: list[tuple[dt.datetime, int]] = field(default_factory=list)
+    items: list[tuple[int, ReportSignals]] = field(default_factory=list)
+    nodes: set[int] = field(default_factory=set)
+    view: list[tuple[str, ReportSignals]] = field(default_factory=list)
+    viewed: int = 0  # items looked at for the view
+    excluded: frozenset[int] = frozenset()  # nodes of the items not active at the last tick
+    appended: bool = True  # every item added since the view was built went to the end
+    memo: JudgeMemo = field(default_factory=JudgeMemo)
+
+    def add(self, received_at: dt.datetime, rid: int, node_id: int, sig: ReportSignals) -> None:
+        k = (as_utc(received_at), rid)
+        i = bisect.bisect(self.order, k)  # a late-committing report lands where the full read puts it
+        self.appended = self.appended and i == len(self.order)
+        self.order.insert(i, k)
+        self.items.insert(i, (node_id, sig))
+        self.nodes.add(node_id)
+
+    def evidence(self, active: set[int], stats: CacheStats) -> StepEvidence:
+        """The reports of active nodes; the same list object (and judge state) as the last tick when that one
+        only grew at its end, else a fresh list and a fresh judge state (the judge starts again)."""
+        excluded = frozenset(n for n in self.nodes if n not in active)
+        if not self.appended or excluded != self.excluded:
+            self.view, self.viewed, self.excluded, self.appended = [], 0, excluded, True
+            self.memo = JudgeMemo()
+            stats.judge_restarts += 1
+        self.view.extend((str(nid), sig) for nid, sig in self.items[self.viewed:] if nid not in excluded)
+        self.viewed = len(self.items)
+        return StepEvidence(ok_reports=len(self.view), reports=self.view, judge=self.memo)
 
 
 class EvidenceCache:
@@ -142,7 +175,7 @@ class EvidenceCache:
             self.reset()  # a later report may even have taken a deleted one's id): read everything again
             return self.step_evidence(session, strata, _retry=True)
         self.stats.pending = len(self._pending)
-        return {key: _evidence(s, active) for key, s in self._series.items() if s.items}
+        return {key: s.evidence(active, self.stats) for key, s in self._series.items() if s.items}
 
     def _read(self, rows: list[Any], *, ignore: bool = False) -> None:
         for rid, rollout_id, stratum, node_id, received_at, signals in rows:
@@ -194,8 +227,3 @@ class EvidenceCache:
                 if state == "active":
                     active.add(nid)
         return active, found == len(ids)
-
-
-def _evidence(series: _Series, active: set[int]) -> StepEvidence:
-    reports = [(str(nid), sig) for nid, sig in series.items if nid in active]
-    return StepEvidence(ok_reports=len(reports), reports=reports)

@@ -2,7 +2,9 @@
 
 Public entry points: :func:`judge_latency` (one metric), :func:`controller.judge.family.judge_family`
 (every judged metric of a stratum, with the multiplicity correction; what the rollout engine calls every
-tick), :mod:`controller.judge.statistic` (the per-report mean and p99 log-ratios of a cell),
+tick; with a :class:`~controller.judge.family.FamilyState` it carries the tests between ticks,
+:mod:`controller.judge.running`, and :mod:`controller.judge.series` builds a stratum's series by appending),
+:mod:`controller.judge.statistic` (the per-report mean and p99 log-ratios of a cell),
 :func:`controller.judge.mannwhitney.judge_mannwhitney` (the Kayenta-style baseline, for comparison only;
 imported on demand since it needs scipy). The judge simulator (``kernelctl sim judge``) is the
 separate :mod:`sim.judge` package, on top of this one.

@@ -50,6 +50,7 @@ Everything is vectorised over leading axes (runs x metrics in the simulator) wit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -78,6 +79,14 @@ RESTART_SHARE = 0.2
 RECENT_HALF_LIFE = 12.0
 """Half-life, in samples, of the recent mean that sizes the regress side's bet."""
 
+PRIOR_N = 2.0
+"""Weight, in samples, of the prior (mean at the margin, standard deviation D/2) in the running moments."""
+
+
+def prior_var(resolution: float) -> float:
+    """Prior variance of the running moments: ``(D / 2)^2``."""
+    return (resolution / 2.0) ** 2
+
 
 def side_bounds(side: str, margin: float, resolution: float, far: float) -> tuple[float, float]:
     """Winsorisation interval of one one-sided test: regress ``[margin - D, far]``, pass ``[-far, margin + D]``."""
@@ -104,6 +113,8 @@ def _prev_moments(y: np.ndarray, prior_mean: float, prior_var: float, prior_n: f
     variance is around the running mean (not the one-step prediction errors, which a level shift would
     inflate). kappa = (1 + rho) / (1 - rho) from the lag-1 correlation rho of consecutive samples of the
     same node (``prev``), centred at the running mean, shrunk towards 0 with the same prior weight.
+    Everything is a function of the sums over the samples before t (:func:`moments`, :func:`dependence`),
+    which :mod:`controller.judge.running` continues when samples are appended.
     """
     n = y.shape[-1]
     t = np.arange(n, dtype=np.float64)  # samples before index t
@@ -112,10 +123,7 @@ def _prev_moments(y: np.ndarray, prior_mean: float, prior_var: float, prior_n: f
         return _shift(np.cumsum(v, axis=-1))
 
     s1, s2 = before(y), before(y * y)
-    mu = (prior_n * prior_mean + s1) / (prior_n + t)
-    mean_d = s1 / np.maximum(t, 1.0)
-    ss = np.maximum(s2 - s1 * mean_d, 0.0)  # sum of squares around the data mean
-    var = (prior_n * prior_var + ss) / (prior_n + t)
+    mu, var, mean_d, ss = moments(s1, s2, t, prior_mean, prior_var, prior_n)
     if prev is None:
         return mu, var, np.ones_like(var)
     prev = np.asarray(prev)
@@ -123,9 +131,28 @@ def _prev_moments(y: np.ndarray, prior_mean: float, prior_var: float, prior_n: f
     yp = np.take(y, np.maximum(prev, 0), axis=-1) * has
     yc = y * has
     npair = before(np.broadcast_to(has, y.shape))
-    cross = before(yc * yp) - mean_d * (before(yc) + before(yp)) + mean_d * mean_d * npair
+    return mu, var, dependence(before(yc * yp), before(yc), before(yp), npair, mean_d, ss, t, prior_var, prior_n)
+
+
+def moments(s1: np.ndarray, s2: np.ndarray, t: np.ndarray, prior_mean: float, prior_var: float, prior_n: float
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(shrunk mean, shrunk variance, data mean, sum of squares around it) from the sums of y and y^2 over the
+    ``t`` samples before each index."""
+    mu = (prior_n * prior_mean + s1) / (prior_n + t)
+    mean_d = s1 / np.maximum(t, 1.0)
+    ss = np.maximum(s2 - s1 * mean_d, 0.0)  # sum of squares around the data mean
+    var = (prior_n * prior_var + ss) / (prior_n + t)
+    return mu, var, mean_d, ss
+
+
+def dependence(sxy: np.ndarray, sx: np.ndarray, sp: np.ndarray, npair: np.ndarray, mean_d: np.ndarray,
+               ss: np.ndarray, t: np.ndarray, prior_var: float, prior_n: float) -> np.ndarray:
+    """kappa = (1 + rho) / (1 - rho) from the sums over the samples before each index of the products of
+    consecutive same-node samples (``sxy``), of their later (``sx``) and earlier (``sp``) members, and their
+    count (``npair``)."""
+    cross = sxy - mean_d * (sx + sp) + mean_d * mean_d * npair
     rho = np.clip(cross / (prior_n * prior_var + npair * ss / np.maximum(t, 1.0)), 0.0, MAX_RHO)
-    return mu, var, (1.0 + rho) / (1.0 - rho)
+    return (1.0 + rho) / (1.0 - rho)
 
 
 def recent_mean(y: np.ndarray, prior_mean: float, prior_n: float, half_life: float = RECENT_HALF_LIFE
@@ -137,9 +164,19 @@ def recent_mean(y: np.ndarray, prior_mean: float, prior_n: float, half_life: flo
     beta = 0.5 ** (1.0 / half_life)
     num = _shift(lfilter([1.0], [1.0, -beta], y, axis=-1))  # sum_{i<t} beta^(t-1-i) y_i
     t = np.arange(y.shape[-1], dtype=np.float64)
+    return recent_from_sum(num, t, prior_mean, prior_n, beta)
+
+
+def recent_from_sum(num: np.ndarray, t: np.ndarray, prior_mean: float, prior_n: float, beta: float) -> np.ndarray:
+    """The recent mean from ``num`` = sum_{i<t} beta^(t-1-i) y_i (the filter :func:`recent_mean` runs)."""
     den = (1.0 - beta ** t) / (1.0 - beta)  # sum of those weights
     shrink = prior_n * beta ** t  # the prior fades like one more old sample
     return (num + shrink * prior_mean) / (den + shrink)
+
+
+def bet_size(gap: np.ndarray, kappa: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """``lambda* = max(g, 0) / (kappa v)`` (no bet while the running mean is on the null side)."""
+    return np.maximum(gap, 0.0) / (kappa * var)
 
 
 def bets(x: np.ndarray, *, side: str, margin: float, resolution: float = DEFAULT_RESOLUTION,
@@ -153,10 +190,9 @@ def bets(x: np.ndarray, *, side: str, margin: float, resolution: float = DEFAULT
     """
     lo, hi = side_bounds(side, margin, resolution, far)
     y = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
-    mu, var, kappa = _prev_moments(y, margin, (resolution / 2.0) ** 2, 2.0, prev)
-    gap = recent_mean(y, margin, 2.0) - margin if side == "regress" else margin - mu
-    lam = np.maximum(gap, 0.0) / (kappa * var)
-    return y, lam
+    mu, var, kappa = _prev_moments(y, margin, prior_var(resolution), PRIOR_N, prev)
+    gap = recent_mean(y, margin, PRIOR_N) - margin if side == "regress" else margin - mu
+    return y, bet_size(gap, kappa, var)
 
 
 def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float, hi: float,
@@ -168,6 +204,13 @@ def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: s
     sample at the winsorisation bound could lose, so the wealth stays positive. ``m`` broadcasts against
     the leading axes of ``y`` (add a trailing axis of length 1 for a grid of m).
     """
+    wealth = np.cumsum(log_factors(y, lam, m, side=side, lo=lo, hi=hi, cap=cap), axis=-1)
+    return np.maximum.accumulate(wealth, axis=-1) if side == "regress" else wealth
+
+
+def log_factors(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float, hi: float,
+                cap: float = DEFAULT_BET_CAP) -> np.ndarray:
+    """Per-sample log-wealth increments ``log(1 + l_i (y_i - m))`` (pass: ``(m - y_i)``) of :func:`log_wealth`."""
     m = np.asarray(m, dtype=np.float64)
     if side == "regress":
         limit = cap / np.maximum(m - lo, 1e-12)
@@ -176,8 +219,7 @@ def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: s
         limit = cap / np.maximum(hi - m, 1e-12)
         step = m - y
     bet = np.minimum(lam, limit * (REGRESS_BET_CAP / DEFAULT_BET_CAP if side == "regress" else 1.0))
-    wealth = np.cumsum(np.log1p(bet * step), axis=-1)
-    return np.maximum.accumulate(wealth, axis=-1) if side == "regress" else wealth
+    return np.log1p(bet * step)
 
 
 def restart_penalty(j: int) -> float:
@@ -241,6 +283,13 @@ def confidence_bound(x: np.ndarray, *, side: str, alpha: float, margin: float,
     def rejects(m: float) -> bool:
         return bool(log_wealth(y, lam, m, side=side, lo=lo, hi=hi, cap=cap)[-1] >= thr)
 
+    return bisect_bound(rejects, side=side, lo=lo, hi=hi, far=far, iters=iters)
+
+
+def bisect_bound(rejects: Callable[[float], bool], *, side: str, lo: float, hi: float, far: float, iters: int = 20
+                 ) -> float:
+    """The end of the rejected interval of m by bisection (see :func:`confidence_bound`), ``rejects(m)`` telling
+    whether the test at m has rejected; the m it asks about depend only on (side, lo, hi) and the answers."""
     if side == "regress":  # rejected set is (lo, b]; find b
         a, b = lo, hi
         if not rejects(a + 1e-12 * (hi - lo)):

@@ -34,7 +34,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from controller.judge.latency import LatencyVerdict, NodePlan, default_clip, default_resolution, judge_latency
+from controller.judge.confseq import DEFAULT_BET_CAP
+from controller.judge.latency import (
+    DEFAULT_MAX_NODE_SHARE,
+    LatencyVerdict,
+    NodePlan,
+    default_clip,
+    default_resolution,
+    judge_latency,
+)
+from controller.judge.running import LatencyState
 
 CELL_CLIP = 0.75
 """Far winsorisation bound of the per-cell tests: a 2x slower cell (ln 2 = 0.69) is not clipped."""
@@ -89,8 +98,25 @@ def metric_params(m: MetricSeries) -> tuple[float, float]:
     return res, clip if m.clip is None else m.clip
 
 
-def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_samples: int) -> FamilyVerdict:
-    """Judge every metric at its share of ``alpha`` and combine (see the module docstring)."""
+class FamilyState:
+    """The family's tests carried between calls (:mod:`controller.judge.running`), one state per metric: a metric
+    whose ``samples`` is the list object it was last time, grown by appends, is continued; any other starts again."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, LatencyState] = {}
+
+    def of(self, name: str, m: MetricSeries, resolution: float, clip: float) -> LatencyState:
+        st = self.metrics.get(name)
+        params = (m.margin, resolution, clip, DEFAULT_BET_CAP, DEFAULT_MAX_NODE_SHARE)
+        if st is None or st.params != params:
+            st = self.metrics[name] = LatencyState(margin=m.margin, resolution=resolution, clip=clip)
+        return st
+
+
+def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_samples: int,
+                 state: FamilyState | None = None) -> FamilyVerdict:
+    """Judge every metric at its share of ``alpha`` and combine (see the module docstring). ``state``: the tests
+    carried from an earlier call on the same, since appended, series (the same verdict, bit for bit)."""
     if not metrics:
         raise ValueError("judge_family needs at least one metric")
     if not 0 < alpha < 1:
@@ -100,6 +126,14 @@ def judge_family(metrics: Mapping[str, MetricSeries], *, alpha: float, min_sampl
     plans: list[tuple[Sequence[str], NodePlan]] = []  # node ids are usually shared by all metrics
     for name, m in metrics.items():
         res, clip = metric_params(m)
+        if state is not None:
+            st = state.of(name, m, res, clip)
+            try:
+                st.extend_to(m.samples, m.node_ids)
+                verdicts[name] = st.verdict(alpha=alphas[name], min_samples=min_samples, alpha_pass=alpha)
+            except ValueError as exc:
+                raise ValueError(f"metric {name!r}: {exc}") from None
+            continue
         plan = None
         if len(m.node_ids) == len(m.samples):
             plan = next((p for ids, p in plans if ids is m.node_ids or list(ids) == list(m.node_ids)), None)

@@ -49,7 +49,7 @@ when the canary widens.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -205,11 +205,12 @@ def _pct(log_ratio: float) -> str:
 
 
 def _validate(samples: Sequence[float], node_ids: Sequence[str] | None, margin: float, alpha: float,
-              min_samples: int) -> np.ndarray:
+              min_samples: int, *, start: int = 0) -> np.ndarray:
+    """The samples from index ``start`` on as a float array, and the parameters checked (a clear ValueError)."""
     if isinstance(samples, (str, bytes)):
         raise ValueError("samples must be a sequence of numbers (log-ratios), not a string")
     try:
-        x = np.asarray(list(samples), dtype=np.float64)
+        x = np.asarray(list(samples[start:] if start else samples), dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"samples must be a sequence of numbers (log-ratios): {exc}") from None
     if x.ndim != 1:
@@ -218,18 +219,40 @@ def _validate(samples: Sequence[float], node_ids: Sequence[str] | None, margin: 
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"samples[{i}] is {x[i]!r}: log-ratios must be finite ({bad.size} non-finite sample(s); "
+            f"samples[{start + i}] is {x[i]!r}: log-ratios must be finite ({bad.size} non-finite sample(s); "
             "a zero, negative or missing latency gives nan/inf)"
         )
-    if node_ids is not None and len(node_ids) != len(x):
-        raise ValueError(f"node_ids has {len(node_ids)} entries but samples has {len(x)}: they must pair up")
+    if node_ids is not None and len(node_ids) != start + x.size:
+        raise ValueError(f"node_ids has {len(node_ids)} entries but samples has {start + x.size}: they must pair up")
+    _check_levels(margin, alpha, min_samples)
+    return x
+
+
+def _check_levels(margin: float, alpha: float, min_samples: int) -> None:
     if not (math.isfinite(margin) and margin >= 0):
         raise ValueError(f"margin must be a finite log-ratio >= 0 (e.g. math.log(1.02)), got {margin!r}")
     if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
     if not (isinstance(min_samples, int) and min_samples >= 1):
         raise ValueError(f"min_samples must be an integer >= 1, got {min_samples!r}")
-    return x
+
+
+def check_params(margin: float, alpha: float, alpha_pass: float | None, clip: float | None,
+                 resolution: float | None, lambda_cap: float) -> tuple[float, float, float]:
+    """(alpha_pass, clip, resolution) with their defaults, checked (a ValueError naming the problem)."""
+    alpha_pass = alpha if alpha_pass is None else alpha_pass
+    if not (isinstance(alpha_pass, (int, float)) and 0 < alpha_pass < 1):
+        raise ValueError(f"alpha_pass must be in (0, 1), got {alpha_pass!r}")
+    clip = default_clip(margin) if clip is None else clip
+    resolution = default_resolution(margin) if resolution is None else resolution
+    if not (math.isfinite(resolution) and resolution > 0):
+        raise ValueError(f"resolution must be a positive finite log-ratio, got {resolution!r}")
+    if not (math.isfinite(clip) and clip > 2 * margin and clip > margin + resolution / 2):
+        raise ValueError(f"clip {clip!r} must be finite and more than twice the margin {margin:.4f} "
+                         f"and above margin + resolution / 2")
+    if not 0 < lambda_cap < 1:
+        raise ValueError(f"lambda_cap must be in (0, 1), got {lambda_cap!r}")
+    return alpha_pass, clip, resolution
 
 
 def judge_latency(
@@ -252,21 +275,11 @@ def judge_latency(
     each test's near bound from the margin) to ``default_resolution(margin)``; ``lambda_cap`` is the bet
     cap c in (0, 1); ``alpha_pass`` (default ``alpha``) is the level of the pass test. Raises
     ``ValueError`` naming the problem for non-finite samples, mismatched
-    ``node_ids`` or bad parameters.
+    ``node_ids`` or bad parameters. (:class:`controller.judge.running.LatencyState` gives the same verdict
+    from state carried between calls, for a series that only grows.)
     """
     x = _validate(samples, node_ids, margin, alpha, min_samples)
-    alpha_pass = alpha if alpha_pass is None else alpha_pass
-    if not (isinstance(alpha_pass, (int, float)) and 0 < alpha_pass < 1):
-        raise ValueError(f"alpha_pass must be in (0, 1), got {alpha_pass!r}")
-    clip = default_clip(margin) if clip is None else clip
-    resolution = default_resolution(margin) if resolution is None else resolution
-    if not (math.isfinite(resolution) and resolution > 0):
-        raise ValueError(f"resolution must be a positive finite log-ratio, got {resolution!r}")
-    if not (math.isfinite(clip) and clip > 2 * margin and clip > margin + resolution / 2):
-        raise ValueError(f"clip {clip!r} must be finite and more than twice the margin {margin:.4f} "
-                         f"and above margin + resolution / 2")
-    if not 0 < lambda_cap < 1:
-        raise ValueError(f"lambda_cap must be in (0, 1), got {lambda_cap!r}")
+    alpha_pass, clip, resolution = check_params(margin, alpha, alpha_pass, clip, resolution, lambda_cap)
     dropped, nodes = 0, 0
     prev = None
     if node_ids is not None:
@@ -277,6 +290,23 @@ def judge_latency(
         nodes = plan.nodes
         x = x[plan.keep]
         prev = plan.prev
+
+    def tests() -> tuple[float, float, float, float]:
+        kw = {"margin": margin, "resolution": resolution, "far": clip, "cap": lambda_cap, "prev": prev}
+        up, down = sequential_wealth(x, margin=margin, resolution=resolution, clip=clip, cap=lambda_cap, prev=prev)
+        lower = confidence_bound(x, side="regress", alpha=alpha, **kw)  # type: ignore[arg-type]
+        upper = confidence_bound(x, side="pass", alpha=alpha_pass, **kw)  # type: ignore[arg-type]
+        return float(up[-1]), float(down[-1]), lower, upper
+
+    return verdict(x, tests, dropped=dropped, nodes=nodes, margin=margin, alpha=alpha, alpha_pass=alpha_pass,
+                   min_samples=min_samples, clip=clip, resolution=resolution, max_node_share=max_node_share)
+
+
+def verdict(x: np.ndarray, tests: Callable[[], tuple[float, float, float, float]], *, dropped: int, nodes: int,
+            margin: float, alpha: float, alpha_pass: float, min_samples: int, clip: float, resolution: float,
+            max_node_share: float) -> LatencyVerdict:
+    """The verdict from the used samples ``x`` and, when there are any, ``tests()``: the regress (running max)
+    and pass (current) log-wealths at the margin and the two bisected confidence bounds (lower, upper)."""
     n_clipped = int((np.abs(x) > clip).sum())
     n = int(x.size)
     common = {"n": n, "margin": margin, "alpha": alpha, "alpha_pass": alpha_pass, "clipped": n_clipped, "method": METHOD,
@@ -289,13 +319,9 @@ def judge_latency(
     if n == 0:
         return LatencyVerdict(decision="hold", mean=None, lower=None, upper=None,
                               reason=f"no samples yet (need {min_samples}){notes}", **common)
-    kw = {"margin": margin, "resolution": resolution, "far": clip, "cap": lambda_cap, "prev": prev}
-    up, down = sequential_wealth(x, margin=margin, resolution=resolution, clip=clip, cap=lambda_cap, prev=prev)
-    w_up, w_down = float(up[-1]), float(down[-1])
+    w_up, w_down, lower, upper = tests()
     code = int(decide(np.array(w_up), np.array(w_down), np.array(n), alpha=alpha, min_samples=min_samples,
                       alpha_pass=alpha_pass))
-    lower = confidence_bound(x, side="regress", alpha=alpha, **kw)  # type: ignore[arg-type]
-    upper = confidence_bound(x, side="pass", alpha=alpha_pass, **kw)  # type: ignore[arg-type]
     # resolve the bisection tolerance in favour of the margin tests themselves
     lower = max(lower, margin) if w_up >= math.log(1.0 / alpha) else min(lower, margin - 1e-12)
     upper = min(upper, margin) if w_down >= math.log(1.0 / alpha_pass) else max(upper, margin + 1e-12)
@@ -315,4 +341,3 @@ def judge_latency(
                   f"{_pct(margin)} {span} (mean {_pct(mean)})")
     return LatencyVerdict(decision=_NAMES[code], mean=mean, lower=low, upper=up_b,
                           reason=reason + notes, log_wealth_regress=w_up, log_wealth_pass=w_down, **common)
-

@@ -17,7 +17,10 @@ from controller.db.models import Node, Report, RolloutStratum, Verdict
 from controller.evidence import EvidenceCache
 from controller.gates import step_evidence
 from controller.ingest import ingest_reports
-from controller.plan import PlanSpec, StepSpec
+from controller.judge.family import judge_family
+from controller.judge.gates import GATES, GateContext, StepEvidence
+from controller.judge.gates.latency import series
+from controller.plan import PlanSpec, StepSpec, load_plan
 from controller.tick import run_tick
 from kernelctl import wire
 from kernelctl.vocab import PROGRESSING
@@ -31,6 +34,7 @@ def kit(db_url, tmp_path):
     yield k
     k.close()
 
+JUDGED: dict = {}  # stratum -> ticks whose carried judged statistics were compared (not vacuous)
 S90 = "sm_90/drv550/triton3.6.0"
 S80 = "sm_80/drv550/triton3.6.0"
 PLAN = PlanSpec(steps=[StepSpec(percent=50, bake_seconds=40, min_samples=6, deadline_seconds=900),
@@ -52,8 +56,29 @@ def _same_evidence(full: dict, inc: dict) -> None:
         assert inc[key].reports == ev.reports, key  # same nodes, same signals, same order
 
 
+def _full_judged(s, judged: dict, full_ev: dict) -> dict:
+    """Per judged stratum: its gate context, the latency family verdict and every gate's metric views, recomputed
+    from the whole evidence (exact ``repr``)."""
+    out = {}
+    for sid, key in judged.items():
+        row = s.get(RolloutStratum, sid)
+        plan = load_plan(row.rollout.plan)
+        ctx = GateContext(plan, plan.steps[min(row.step_index, len(plan.steps) - 1)])
+        ev = full_ev.get(key) or StepEvidence()
+        ser = series(ev, ctx)
+        out[key] = (ctx, repr(judge_family({k: m for k, (m, _k, _s) in ser.items()}, alpha=plan.alpha,
+                                           min_samples=ctx.step.min_samples).as_dict()), _views(ev, ctx))
+    return out
+
+
+def _views(ev: StepEvidence, ctx: GateContext) -> str:
+    return repr([v.as_dict() for g in GATES for v in g.measure(ev, ctx)])
+
+
 def judged_tick(kit: Kit, cache: EvidenceCache, seconds: float) -> list[tuple[str, str]]:
-    """One tick both ways on the same state: full (rolled back), then incremental (committed); compared."""
+    """One tick both ways on the same state: full (rolled back), then incremental (committed); compared, and the
+    judged statistics the incremental tick carried (every metric's wealths, bounds, counts) against the family
+    recomputed from the whole evidence, bit for bit."""
     with kit.factory() as s, s.begin():
         last = s.scalar(select(func.coalesce(func.max(Verdict.id), 0)))
         full = run_tick(s, at(seconds), settings=LIVE)
@@ -62,8 +87,18 @@ def judged_tick(kit: Kit, cache: EvidenceCache, seconds: float) -> list[tuple[st
     with kit.tx() as s:
         judged = {r.id: (r.rollout_id, r.stratum) for r in s.scalars(
             select(RolloutStratum).where(RolloutStratum.state == PROGRESSING))}
-        _same_evidence(step_evidence(s, list(judged)), cache.step_evidence(s, judged))
+        full_ev, inc_ev = step_evidence(s, list(judged)), cache.step_evidence(s, judged)
+        _same_evidence(full_ev, inc_ev)
+        want = _full_judged(s, judged, full_ev)
+        for ev in inc_ev.values():
+            ev.judge.last = None
         inc = run_tick(s, at(seconds), settings=LIVE, cache=cache)
+        for key, ev in inc_ev.items():
+            if ev.judge.last is not None:  # the gates ran (a baseline, no hard failure)
+                ctx, family, views = want[key]
+                assert repr(ev.judge.last.as_dict()) == family, key
+                assert _views(ev, ctx) == views, key  # memory, launches, latency, numeric: carried = full
+                JUDGED[key] = JUDGED.get(key, 0) + 1
         inc_verdicts = _verdicts(s, last)
     assert inc.decisions == full.decisions
     assert (inc.advanced, inc.promoted, inc.paused, inc.holds) == (full.advanced, full.promoted, full.paused,
@@ -106,13 +141,18 @@ def test_incremental_tick_equals_full_recompute(kit: Kit) -> None:
         send(kit, c80[0], rid, cand, stable, [0.002, -0.001], received=t)
         t += 5
         judged_tick(kit, cache, t)
+    JUDGED.clear()
+    restarts = cache.stats.judge_restarts  # one per stratum's first evidence
     # received earlier than reports already read (a later id): it sorts into the middle, as the full read has it
     send(kit, c80[-1], rid, cand, stable, [0.0005], received=2.0)
     judged_tick(kit, cache, t + 1)
+    assert cache.stats.judge_restarts == restarts + 1  # not an append: that stratum's judge starts again
     _set_state(kit, c90[0], "stale")  # its reports leave the evidence ...
     judged_tick(kit, cache, t + 2)
     _set_state(kit, c90[0], "active")  # ... and come back
     judged_tick(kit, cache, t + 3)
+    assert cache.stats.judge_restarts == restarts + 3
+    assert set(JUDGED) == {(rid, S90), (rid, S80)}
     for k in range(4):
         for n in c90 + c80:
             send(kit, n, rid, cand, stable, [0.0, 0.001], received=t + 4 + k)
@@ -124,6 +164,8 @@ def test_incremental_tick_equals_full_recompute(kit: Kit) -> None:
     decisions = judged_tick(kit, cache, 62)
     assert ("latency", "rollback") in decisions
     judged_tick(kit, cache, 63)
+    assert cache.stats.judge_restarts == restarts + 3  # appends only since: the judged state carried
+    assert min(JUDGED.values()) >= 6
     assert cache.stats.rebuilds == 1  # one build, then increments only
     with kit.tx() as s:  # each report parsed once (the stratum rolled back is not read again)
         stored = s.scalar(select(func.count()).select_from(Report).where(Report.outcome == "ok"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from controller.judge.series import JudgeMemo
 from controller.plan import PlanSpec, StepSpec
 from controller.signals import ReportSignals
 from kernelctl.vocab import GateName, MetricDecision, MetricKind, Statistic
@@ -18,10 +19,15 @@ from kernelctl.vocab import GateName, MetricDecision, MetricKind, Statistic
 @dataclass
 class StepEvidence:
     """A stratum's usable reports over the whole rollout (ok outcome, non-stale node), in arrival order:
-    (node id, the report's typed signals). Evidence is carried across steps (the bake time runs per step)."""
+    (node id, the report's typed signals). Evidence is carried across steps (the bake time runs per step).
+
+    ``judge``: the leader's judged state of the stratum carried between ticks (``controller.evidence``), a
+    cache only: the decision is the same with or without it, bit for bit (its contract:
+    :class:`~controller.judge.series.JudgeMemo`)."""
 
     ok_reports: int = 0
     reports: list[tuple[str, ReportSignals]] = field(default_factory=list)
+    judge: JudgeMemo | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

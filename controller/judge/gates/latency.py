@@ -12,53 +12,20 @@ from __future__ import annotations
 
 import math
 
-from controller.judge.family import FamilyVerdict, MetricSeries, judge_family
+from controller.judge.family import FamilyVerdict, judge_family
 from controller.judge.gates.base import Breach, GateContext, MetricView, StepEvidence
-from controller.signals import AGGREGATE, E2E, metric_name
-from kernelctl.vocab import GateName, MetricDecision, MetricKind, Statistic
-
-STATISTICS = (Statistic.MEAN, Statistic.P99)
-
-
-def margins(ctx: GateContext, base: str) -> dict[Statistic, float]:
-    """Log-ratio margins of one metric base (a cell, the aggregate or e2e) per statistic."""
-    plan = ctx.plan
-    mean = plan.e2e_margin if base == E2E else plan.latency_margin
-    return {Statistic.MEAN: math.log1p(mean), Statistic.P99: math.log1p(max(plan.p99_margin, mean))}
+from controller.judge.series import Judged, SeriesBuilder
+from controller.signals import AGGREGATE, E2E
+from kernelctl.vocab import GateName, MetricDecision, MetricKind
 
 
-def series(ev: StepEvidence, ctx: GateContext) -> dict[str, tuple[MetricSeries, MetricKind, Statistic]]:
-    """Every judged latency series of the stratum: cells (sorted), then the aggregate, then e2e."""
-    acc: dict[tuple[str, Statistic], tuple[list[float], list[str]]] = {}
-    kinds: dict[str, MetricKind] = {}
-
-    def add(base: str, kind: MetricKind, stat: Statistic, value: float, node: str) -> None:
-        xs, ns = acc.setdefault((base, stat), ([], []))
-        xs.append(value)
-        ns.append(node)
-        kinds[base] = kind
-
-    for node, sig in ev.reports:
-        for stat in STATISTICS:
-            for cell, c in sig.cells.items():
-                add(f"latency:{cell}", MetricKind.LATENCY_CELL, stat, c.value(stat), node)
-            if sig.aggregate is not None:
-                add(AGGREGATE, MetricKind.LATENCY_AGGREGATE, stat, sig.aggregate.value(stat), node)
-            if sig.e2e is not None:
-                add(E2E, MetricKind.E2E, stat, sig.e2e.value(stat), node)
-    bases = [*sorted(b for b, k in kinds.items() if k is MetricKind.LATENCY_CELL), AGGREGATE]
-    kinds.setdefault(AGGREGATE, MetricKind.LATENCY_AGGREGATE)
-    if E2E in kinds or ctx.plan.e2e_required:
-        bases.append(E2E)
-        kinds.setdefault(E2E, MetricKind.E2E)
-    out = {}
-    for base in bases:
-        m = margins(ctx, base)
-        for stat in STATISTICS:
-            xs, ns = acc.get((base, stat), ([], []))
-            out[metric_name(base, stat)] = (MetricSeries(xs, ns, m[stat], summary=base in (AGGREGATE, E2E)),
-                                            kinds[base], stat)
-    return out
+def series(ev: StepEvidence, ctx: GateContext) -> Judged:
+    """Every judged latency series of the stratum: cells (sorted), then the aggregate, then e2e (from every
+    report, or, when the evidence carries the leader's :class:`~controller.judge.series.JudgeMemo`, from the
+    reports appended since it last read)."""
+    if ev.judge is not None:
+        return ev.judge.series(ev.reports, ctx.plan)
+    return SeriesBuilder().extend(ev.reports).series(ctx.plan)
 
 
 def _arms(ev: StepEvidence, base: str) -> dict[str, object] | None:
@@ -71,8 +38,7 @@ def _arms(ev: StepEvidence, base: str) -> dict[str, object] | None:
     return None
 
 
-def views_of(fam: FamilyVerdict, ser: dict[str, tuple[MetricSeries, MetricKind, Statistic]],
-             ev: StepEvidence) -> list[MetricView]:
+def views_of(fam: FamilyVerdict, ser: Judged, ev: StepEvidence) -> list[MetricView]:
     out = []
     for name, v in fam.metrics.items():
         s, kind, stat = ser[name]
@@ -122,7 +88,9 @@ class LatencyGate:
     def measure(self, ev: StepEvidence, ctx: GateContext) -> list[MetricView]:
         ser = series(ev, ctx)
         fam = judge_family({k: s for k, (s, _kind, _stat) in ser.items()}, alpha=ctx.plan.alpha,
-                           min_samples=ctx.step.min_samples)
+                           min_samples=ctx.step.min_samples, state=None if ev.judge is None else ev.judge.family)
+        if ev.judge is not None:
+            ev.judge.last = fam
         return views_of(fam, ser, ev)
 
     def evaluate(self, views: list[MetricView], ctx: GateContext) -> Breach | None:

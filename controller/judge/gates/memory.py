@@ -4,34 +4,61 @@ deterministic measurement of allocations; the median only guards against a stray
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from controller.judge.gates.base import Breach, GateContext, MetricView, StepEvidence
+from controller.signals import ReportSignals
 from kernelctl.vocab import GateName, MetricDecision, MetricKind
 
 HUGE = 1e30  # a ratio over a zero-byte stable peak, shown as a number
+
+
+@dataclass
+class _Cell:
+    ratios: list[float] = field(default_factory=list)  # candidate/stable peaks, sorted (a stable sort's order)
+    over_headroom: int = 0  # reports whose candidate peak is past the node's free memory
+    n: int = 0
+
+
+class MemoryObs:
+    """Per (op, size) cell, what the gate needs of every report so far; extended by appended reports (the leader
+    carries it between ticks, ``controller.judge.series.JudgeMemo``): the same views as a read of every report."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, _Cell] = {}
+
+    def extend(self, reports: Sequence[tuple[str, ReportSignals]]) -> MemoryObs:
+        for _node, sig in reports:
+            free = None if sig.free_memory_bytes is None else float(sig.free_memory_bytes)
+            for name, (st, ca) in sig.memory.items():
+                c = self.cells.setdefault(name, _Cell())
+                bisect.insort(c.ratios, (ca / st) if st > 0 else (1.0 if ca <= 0 else math.inf))
+                c.over_headroom += free is not None and ca > free
+                c.n += 1
+        return self
+
+    def views(self, ctx: GateContext) -> list[MetricView]:
+        views = []
+        for name, c in sorted(self.cells.items()):
+            value = float(statistics.median(c.ratios))
+            bad = value > 1 + ctx.plan.memory_margin or c.over_headroom * 2 > c.n
+            views.append(MetricView(f"memory:{name}", MetricKind.MEMORY, "ratio", min(value, HUGE), c.ratios[0],
+                                    min(c.ratios[-1], HUGE), ctx.plan.memory_margin, c.n,
+                                    MetricDecision.REGRESS if bad else MetricDecision.PASS))
+        return views
 
 
 class MemoryGate:
     name = GateName.MEMORY
 
     def measure(self, ev: StepEvidence, ctx: GateContext) -> list[MetricView]:
-        obs: dict[str, list[tuple[float, float, float | None]]] = {}
-        for _node, sig in ev.reports:
-            for name, (st, ca) in sig.memory.items():
-                obs.setdefault(name, []).append((st, ca, None if sig.free_memory_bytes is None
-                                                 else float(sig.free_memory_bytes)))
-        views = []
-        for name, o in sorted(obs.items()):
-            ratios = [(ca / st) if st > 0 else (1.0 if ca <= 0 else math.inf) for st, ca, _ in o]
-            value = float(statistics.median(ratios))
-            over_headroom = sum(1 for _st, ca, free in o if free is not None and ca > free) * 2 > len(o)
-            bad = value > 1 + ctx.plan.memory_margin or over_headroom
-            views.append(MetricView(f"memory:{name}", MetricKind.MEMORY, "ratio", min(value, HUGE), min(ratios),
-                                    min(max(ratios), HUGE), ctx.plan.memory_margin, len(o),
-                                    MetricDecision.REGRESS if bad else MetricDecision.PASS))
-        return views
+        obs = MemoryObs().extend(ev.reports) if ev.judge is None else ev.judge.carried("memory", ev.reports,
+                                                                                      MemoryObs)
+        return obs.views(ctx)
 
     def evaluate(self, views: list[MetricView], ctx: GateContext) -> Breach | None:
         bad = [v for v in views if v.decision is MetricDecision.REGRESS]
