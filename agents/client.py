@@ -191,6 +191,7 @@ class ControllerClient:
             "before_sleep": self._log_retry,
         }
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self.report_columns = True  # send reports' tables as columns (False once the controller refused them)
 
     # tenacity hooks -------------------------------------------------------------------------------
     def _stopped(self, retry_state: Any) -> bool:
@@ -258,7 +259,20 @@ class ControllerClient:
         return self._post("/agents/heartbeat", request, HeartbeatResponse, timeout=timeout)
 
     def send_reports(self, node_name: str, reports: list[TrialReport]) -> ReportBatchResponse:
-        return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=reports), ReportBatchResponse)
+        """One report request; its tables as columns (``kernelctl.wire_columns``) unless this controller once
+        refused them (a controller that predates them: lists from then on, the same reports)."""
+        if self.report_columns:
+            try:
+                return self._post("/agents/reports", ReportBatch(node_name=node_name,
+                                                                 reports=[r.compact() for r in reports]),
+                                  ReportBatchResponse)
+            except ControllerError as exc:
+                if not (exc.status == 422 and '"columns"' in str(exc) and "extra_forbidden" in str(exc)):
+                    raise
+                log.warning("the controller does not read report columns: sending reports as lists")
+                self.report_columns = False
+        return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=[r.expanded() for r in reports]),
+                          ReportBatchResponse)
 
     def download_bundle(self, ref: BundleRef, dest_dir: Path, max_bytes: int) -> Path:
         """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.

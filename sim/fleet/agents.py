@@ -11,8 +11,8 @@ answers when the node's desired state changes, or after the heartbeat period. A 
 not hold yet itself (``download_per_agent``; digest checked), as a real canary does. While the reply carries a
 trial spec a trial coroutine produces one ``wire.TrialReport`` per trial interval (latencies from the judge's
 noise model, :mod:`sim.judge.noise`), real-sized (``report_kb``: 6-46 KB, a real agent's report on CPU: many
-latency pairs), kept in the agent's outbox and sent one report per request, as the agent does, until a 200
-acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
+latency pairs), kept in the agent's outbox and sent as the agent sends them (``agents.outbox``: what is waiting
+in one request, bounded by bytes; the cell tables as columns), until a 200 acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
 outbox unacknowledged.
 
 HTTP: :mod:`sim.fleet.http` (h11 on asyncio, a fraction of httpx's CPU per request, so the simulator measures
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
+from agents.outbox import MAX_BATCH_BYTES
 from kernelctl import wire
 from sim.fleet import http
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
@@ -48,6 +49,7 @@ REGISTER_BACKOFF_S = 1.25  # first retry after about this long (the agent: REGIS
 REGISTER_BACKOFF_MAX_S = 120.0
 JSON = (b"content-type", b"application/json")
 PAIR_BYTES = 110  # one wire.LatencyPair in a report's JSON
+REPORT_BYTES = 1024  # a report's JSON but its latency pairs (about)
 
 
 class Stats:
@@ -320,10 +322,15 @@ class Fleet:
         return max(1, int(kb * 1024 / PAIR_BYTES))
 
     async def flush(self, a: SimAgent) -> None:
-        """Send the outbox one report per request, as the agent does; keep each until a 200 acknowledges it
-        (retried after 429/503)."""
+        """Send the outbox as the agent does (what is waiting, at most ``MAX_BATCH_BYTES`` of reports in one
+        request); keep each until a 200 acknowledges it (retried after 429/503)."""
         while a.outbox and a.token is not None and self.running:
-            batch = a.outbox[:1]
+            batch, size = [], 0
+            for r in a.outbox[:100]:
+                size += REPORT_BYTES + PAIR_BYTES * len(r.latency)
+                if batch and size > MAX_BATCH_BYTES:
+                    break
+                batch.append(r.compact())
             now = time.monotonic()
             for r in batch:
                 self.stats.sent_keys.add(r.idempotency_key)
