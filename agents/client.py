@@ -58,9 +58,11 @@ DIGEST_HEADER = "X-Kernelctl-Digest"
 class ControllerError(Exception):
     """The controller answered with an error (status and its ``detail``), or could not be reached."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None,
+                 refusals: frozenset[tuple[str, str]] = frozenset()) -> None:
         super().__init__(message)
         self.status = status
+        self.refusals = refusals  # a 422's (field, error type) pairs: what the controller refused, by type
 
 
 class Unreachable(ControllerError):
@@ -116,6 +118,18 @@ def _detail(resp: httpx.Response) -> str:
         d = body["detail"]
         return d if isinstance(d, str) else json.dumps(d)[:1000]
     return json.dumps(body)[:500]
+
+
+def _refusals(resp: httpx.Response) -> frozenset[tuple[str, str]]:
+    """(field, error type) of each item of a 422's ``detail`` list (FastAPI's validation answer)."""
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        return frozenset()
+    if not isinstance(detail, list):
+        return frozenset()
+    return frozenset((str(e["loc"][-1]), str(e.get("type"))) for e in detail
+                     if isinstance(e, dict) and isinstance(e.get("loc"), list) and e["loc"])
 
 
 def _write_private(path: Path, doc: dict[str, str]) -> None:
@@ -235,7 +249,7 @@ class ControllerClient:
         if resp.status_code >= 400:
             raise ControllerError(
                 f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {_detail(resp)}",
-                resp.status_code,
+                resp.status_code, _refusals(resp),
             )
         return resp
 
@@ -267,7 +281,7 @@ class ControllerClient:
                                                                  reports=[r.compact() for r in reports]),
                                   ReportBatchResponse)
             except ControllerError as exc:
-                if not (exc.status == 422 and '"columns"' in str(exc) and "extra_forbidden" in str(exc)):
+                if exc.status != 422 or ("columns", "extra_forbidden") not in exc.refusals:
                     raise
                 log.warning("the controller does not read report columns: sending reports as lists")
                 self.report_columns = False

@@ -269,7 +269,7 @@ def test_malformed_columns_refused_with_what_is_wrong(ctl: ControllerProcess, tr
          "row 0: p50_s 1.0 is above p99_s"),
         (bad("cells.tokens", [1] * len(cols["cells"]["op"])), "body.reports.1.columns.cells",
          "appears twice"),
-        (bad("weights.weight", [-1.0] + cols["weights"]["weight"][1:]), "body.reports.1.columns.weights.weight.0",
+        (bad("weights.weight", [-1.0, *cols["weights"]["weight"][1:]]), "body.reports.1.columns.weights.weight.0",
          "greater than or equal to 0"),
         (bad("resources.stable_launches", [1]), "body.reports.1.columns.resources", "column stable_launches has 1"),
         ({**good, "cells": _real("x-000001", trial)["cells"]}, "body.reports.1", "not both"),
