@@ -56,9 +56,11 @@ DIGEST_HEADER = "X-Kernelctl-Digest"
 class ControllerError(Exception):
     """The controller answered with an error (status and its ``detail``), or could not be reached."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None,
+                 refusals: frozenset[tuple[str, str]] = frozenset()) -> None:
         super().__init__(message)
         self.status = status
+        self.refusals = refusals  # a 422's (field, error type) pairs: what the controller refused, by type
 
 
 class Unreachable(ControllerError):
@@ -114,6 +116,18 @@ def _detail(resp: httpx.Response) -> str:
         d = body["detail"]
         return d if isinstance(d, str) else json.dumps(d)[:1000]
     return json.dumps(body)[:500]
+
+
+def _refusals(resp: httpx.Response) -> frozenset[tuple[str, str]]:
+    """(field, error type) of each item of a 422's ``detail`` list (FastAPI's validation answer)."""
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        return frozenset()
+    if not isinstance(detail, list):
+        return frozenset()
+    return frozenset((str(e["loc"][-1]), str(e.get("type"))) for e in detail
+                     if isinstance(e, dict) and isinstance(e.get("loc"), list) and e["loc"])
 
 
 def _write_private(path: Path, doc: dict[str, str]) -> None:
@@ -189,6 +203,7 @@ class ControllerClient:
             "before_sleep": self._log_retry,
         }
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self.report_columns = True  # send reports' tables as columns (False once the controller refused them)
 
     # tenacity hooks -------------------------------------------------------------------------------
     def _stopped(self, retry_state: Any) -> bool:
@@ -232,7 +247,7 @@ class ControllerClient:
         if resp.status_code >= 400:
             raise ControllerError(
                 f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {_detail(resp)}",
-                resp.status_code,
+                resp.status_code, _refusals(resp),
             )
         return resp
 
@@ -256,7 +271,20 @@ class ControllerClient:
         return self._post("/agents/heartbeat", request, HeartbeatResponse, timeout=timeout)
 
     def send_reports(self, node_name: str, reports: list[TrialReport]) -> ReportBatchResponse:
-        return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=reports), ReportBatchResponse)
+        """One report request; its tables as columns (``kernelctl.wire_columns``) unless this controller once
+        refused them (a controller that predates them: lists from then on, the same reports)."""
+        if self.report_columns:
+            try:
+                return self._post("/agents/reports", ReportBatch(node_name=node_name,
+                                                                 reports=[r.compact() for r in reports]),
+                                  ReportBatchResponse)
+            except ControllerError as exc:
+                if exc.status != 422 or ("columns", "extra_forbidden") not in exc.refusals:
+                    raise
+                log.warning("the controller does not read report columns: sending reports as lists")
+                self.report_columns = False
+        return self._post("/agents/reports", ReportBatch(node_name=node_name, reports=[r.expanded() for r in reports]),
+                          ReportBatchResponse)
 
     def download_bundle(self, ref: BundleRef, dest_dir: Path, max_bytes: int) -> Path:
         """Stream ``ref``'s .kpack into a new temp file in ``dest_dir``; check size and digest; return the path.

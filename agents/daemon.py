@@ -29,7 +29,6 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from kernelctl.wire import (
     BundleRef,
     DesiredBundle,
     HeartbeatRequest,
+    ReportBatchResponse,
     TrialReport,
     TrialSpec,
 )
@@ -565,36 +565,22 @@ class Agent:
             return 0
         client, outbox = self.client, self.outbox
 
-        def send(batch: list[TrialReport]) -> None:
-            client.send_reports(self.cfg.node_name, batch)
+        def send(batch: list[TrialReport]) -> ReportBatchResponse:
+            return client.send_reports(self.cfg.node_name, batch)
 
         n = 0
         try:
-            n = outbox.flush(send)
+            n = outbox.flush(send, refuses=_refused)  # a refused report is found, kept and never resent
         except ControllerError as exc:
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
-                n = self._flush_singly(send)  # find the report(s) the controller refuses
-            else:
-                log.warning("report flush failed (%d pending, kept): %s", outbox.depth(), exc)
+            log.warning("report flush failed (%d pending, kept): %s", outbox.depth(), exc)
         if n:
             self.metrics.reports_sent.inc(n)
             log.info("%d report(s) acknowledged", n)
         self.metrics.outbox_depth.set(outbox.depth())
         return n
 
-    def _flush_singly(self, send: Callable[[list[TrialReport]], None]) -> int:
-        assert self.outbox is not None
-        n = 0
-        for report in self.outbox.pending(1000):
-            try:
-                send([report])
-            except ControllerError as exc:
-                if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
-                    log.error("controller refused report %s; it will not be resent: %s", report.idempotency_key, exc)
-                    self.outbox.mark_rejected(report.idempotency_key, str(exc))
-                    continue
-                log.warning("report flush failed: %s", exc)
-                break
-            self.outbox.mark_sent([report.idempotency_key])
-            n += 1
-        return n
+
+def _refused(exc: Exception) -> bool:
+    """The controller refused a report request as invalid (4xx but auth and rate limits): not worth resending."""
+    return isinstance(exc, ControllerError) and exc.status is not None and 400 <= exc.status < 500 \
+        and exc.status not in (401, 403, 429)

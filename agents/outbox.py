@@ -1,14 +1,19 @@
 """The agent's on-disk report outbox (stdlib sqlite3, WAL) and its small persistent state.
 
-A report is written here first (with its idempotency key ``<node>:<uuid4>``), then sent in batches; a row is
-marked sent only after the controller acknowledged the batch. An unacknowledged batch is resent with the same
-keys, so the controller counts it once; the outbox survives agent restarts and controller outages. The
+A report is written here first (with its idempotency key ``<node>:<uuid4>``), then sent in batches: what is
+waiting, oldest first, in one request bounded by count and bytes (:data:`MAX_BATCH_BYTES`, well under the
+controller's ``max_report_body_bytes``); a row is marked sent only after the controller acknowledged the batch,
+and a report the controller's answer refuses by key (``ReportBatchResponse.refused``: not a canary any more,
+the rollout no longer live) is kept as rejected with the controller's reason, never resent. An unacknowledged
+batch is resent with the same keys, so the controller counts it once; the outbox survives agent restarts and
+controller outages. The
 ``state`` table holds what must survive a restart (last trial end, the running trial child's pid).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -32,6 +37,10 @@ CREATE TABLE IF NOT EXISTS reports (
 CREATE INDEX IF NOT EXISTS reports_pending ON reports (sent_at, seq);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+
+log = logging.getLogger("kernelctl.agent")
+MAX_BATCH_BYTES = 1024 * 1024  # one request's reports (their stored JSON): a quarter of the controller's default limit
 
 
 def new_idempotency_key(node_name: str) -> str:
@@ -64,13 +73,21 @@ class Outbox:
                 (report.idempotency_key, report.model_dump_json(), time.time()),
             )
 
-    def pending(self, limit: int = 100) -> list[TrialReport]:
-        """Oldest unacknowledged reports first."""
+    def pending(self, limit: int = 100, max_bytes: int | None = None) -> list[TrialReport]:
+        """Oldest unacknowledged reports first: at most ``limit``, and (with ``max_bytes``) no more than fit in
+        that many bytes of JSON (always at least one: a report larger than that goes alone)."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT body FROM reports WHERE sent_at IS NULL ORDER BY seq LIMIT ?", (limit,)
             ).fetchall()
-        return [TrialReport.model_validate_json(r[0]) for r in rows]
+        out: list[TrialReport] = []
+        size = 0
+        for (body,) in rows:
+            size += len(body)
+            if out and max_bytes is not None and size > max_bytes:
+                break
+            out.append(TrialReport.model_validate_json(body))
+        return out
 
     def mark_attempt(self, keys: list[str]) -> None:
         with self._lock:
@@ -126,23 +143,54 @@ class Outbox:
             )
             return cur.rowcount
 
-    def flush(
-        self, send: Callable[[list[TrialReport]], ReportBatchResponse], batch_size: int = 100
-    ) -> int:
-        """Send pending reports in batches via ``send`` until none are left; returns how many were acked.
+    def flush(self, send: Callable[[list[TrialReport]], ReportBatchResponse], batch_size: int = 100,
+              max_bytes: int = MAX_BATCH_BYTES, refuses: Callable[[Exception], bool] = lambda exc: False) -> int:
+        """Send pending reports via ``send``, each request what is waiting (at most ``batch_size`` reports and
+        ``max_bytes``), until none are left; returns how many the controller acknowledged (refused ones
+        included: kept as rejected with its reason, not resent).
 
-        ``send`` raises on failure: the batch stays pending and is resent later with the same keys.
+        ``send`` raises on failure: the batch stays pending and is resent later with the same keys. A failure
+        for which ``refuses`` is true (the controller refused the request as invalid: a 4xx) sends that batch's
+        reports one by one, so the report at fault is found, kept as rejected and never resent, and the
+        others are acknowledged; another failure raises.
         """
         acked = 0
         while True:
-            batch = self.pending(batch_size)
+            batch = self.pending(batch_size, max_bytes)
             if not batch:
                 return acked
             keys = [r.idempotency_key for r in batch]
             self.mark_attempt(keys)
-            send(batch)
-            self.mark_sent(keys)
+            try:
+                self._acknowledge(keys, send(batch))
+            except Exception as exc:
+                if not refuses(exc):
+                    raise
+                if len(batch) > 1:
+                    acked += self._one_by_one(send, batch, refuses)
+                    continue
+                log.error("controller refused report %s; it will not be resent: %s", keys[0], exc)
+                self.mark_rejected(keys[0], str(exc))
             acked += len(keys)
+
+    def _one_by_one(self, send: Callable[[list[TrialReport]], ReportBatchResponse], batch: list[TrialReport],
+                    refuses: Callable[[Exception], bool]) -> int:
+        for i, report in enumerate(batch):
+            try:
+                self._acknowledge([report.idempotency_key], send([report]))
+            except Exception as exc:
+                if not refuses(exc):
+                    if i:
+                        return i
+                    raise
+                log.error("controller refused report %s; it will not be resent: %s", report.idempotency_key, exc)
+                self.mark_rejected(report.idempotency_key, str(exc))
+        return len(batch)
+
+    def _acknowledge(self, keys: list[str], reply: ReportBatchResponse) -> None:
+        for key, reason in reply.refused.items():
+            self.mark_rejected(key, f"refused by the controller: {reason}")
+        self.mark_sent([k for k in keys if k not in reply.refused])
 
     # -------------------------------------------------------------------------------------------- state
     def get_state(self, key: str, default: Any = None) -> Any:

@@ -224,15 +224,15 @@ def _store(session: Session, node: Node, reports: Sequence[wire.TrialReport], fa
             "idempotency_key": r.idempotency_key, "node_id": node.id, "rollout_id": r.rollout_id,
             "stratum": stratum, "bundle_id": f.bundle_id,
             "stable_bundle_id": stable_ids.get((r.stable.name, r.stable.version, r.stable.digest)) if r.stable else None,
-            "outcome": outcome, "latency_log_ratio": sig.aggregate.mean if sig and sig.aggregate else None,
-            "n_pairs": len(r.latency) + sum(c.stable.n for c in r.cells), "peak_memory_bytes": r.peak_memory_bytes,
+            "outcome": outcome, "latency_log_ratio": sig["aggregate"]["mean"] if sig and sig["aggregate"] else None,
+            "n_pairs": _pairs(r), "peak_memory_bytes": r.peak_memory_bytes,
             "measured_at": as_utc(r.measured_at), "received_at": now,
             "detail": {
                 "reported_outcome": r.outcome, "numerics": numerics_summary(r), "e2e": e2e,
                 **({"failed_checks": failed} if (failed := failed_checks(r)) else {}),
                 "launches_per_call": r.launches_per_call, "duration_s": r.duration_s, "text": r.detail,
             },
-            "signals": sig.stored() if sig else None,
+            "signals": sig,
         })
     inserted = _insert_new(session, rows)
     accepted = len(inserted)
@@ -248,6 +248,12 @@ def _store(session: Session, node: Node, reports: Sequence[wire.TrialReport], fa
                 execution_options={"synchronize_session": False})
     _verify_canaries(session, node, new, facts, now)
     return accepted, len(reports) - accepted
+
+
+def _pairs(r: wire.TrialReport) -> int:
+    """Timed calls of the stable arm (or older agents' per-round pairs), either encoding."""
+    cells = r.columns.cells if r.columns is not None else None
+    return len(r.latency) + sum(c.stable.n for c in r.cells) + (sum(cells.stable.n) if cells is not None else 0)
 
 
 def _verify_canaries(session: Session, node: Node, new: list[dict[str, Any]], facts: dict[int, RolloutFacts],

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from kernelctl.vocab import DEFAULT_MEMORY_MARGIN, DTypeName, LaunchGate, Outcome, Phase, Role
+from kernelctl.wire_columns import ArmColumns, CellColumns, ReportColumns, ResourceColumns, WeightColumns
 from kernelctl.wire_limits import (
     INT32_MAX,
     ElementCount,
@@ -309,6 +310,80 @@ class TrialReport(Strict):
     e2e: ArmsLatency | None = None
     free_memory_bytes: MemoryBytes | None = None  # the node's free device memory when the trial started
     detail: str = Field("", max_length=8192)  # human-readable: error text, signal, exit code
+    # encoding 2 (issue 28): cells, resources and weights as columns (kernelctl.wire_columns); then those lists
+    # are empty. The controller reads either; an agent sends columns (and lists to a controller without them).
+    columns: ReportColumns | None = None
+
+    @model_validator(mode="after")
+    def _one_encoding(self) -> TrialReport:
+        if self.columns is not None and (self.cells or self.resources or self.weights):
+            raise ValueError("columns: send cells, resources and weights either as lists (encoding 1) or as "
+                             "columns (encoding 2), not both")
+        return self
+
+    def compact(self) -> TrialReport:
+        """This report in encoding 2 (columns; itself when it has no rows to turn)."""
+        if self.columns is not None or not (self.cells or self.resources or self.weights):
+            return self
+        return self.model_copy(update={"cells": [], "resources": [], "weights": [], "columns": ReportColumns(
+            cells=_cell_columns(self.cells) if self.cells else None,
+            resources=_resource_columns(self.resources) if self.resources else None,
+            weights=WeightColumns(op=[w.op for w in self.weights], tokens=[w.tokens for w in self.weights],
+                                  weight=[w.weight for w in self.weights]) if self.weights else None)})
+
+    def expanded(self) -> TrialReport:
+        """This report in encoding 1 (lists of objects: what a controller without columns reads)."""
+        c = self.columns
+        if c is None:
+            return self
+        return self.model_copy(update={
+            "columns": None, "cells": _cells(c.cells) if c.cells else [],
+            "resources": [CellResources(op=op, tokens=t, stable_peak_bytes=a, candidate_peak_bytes=b,
+                                        stable_launches=x, candidate_launches=y)
+                          for op, t, a, b, x, y in zip(c.resources.op, c.resources.tokens,
+                                                       c.resources.column("stable_peak_bytes"),
+                                                       c.resources.column("candidate_peak_bytes"),
+                                                       c.resources.column("stable_launches"),
+                                                       c.resources.column("candidate_launches"), strict=True)]
+            if c.resources else [],
+            "weights": [CellWeight(op=op, tokens=t, weight=w)
+                        for op, t, w in zip(c.weights.op, c.weights.tokens, c.weights.weight, strict=True)]
+            if c.weights else []})
+
+
+def _arm_columns(arms: list[ArmLatency]) -> ArmColumns:
+    windows = [a.windows_s for a in arms]
+    return ArmColumns(n=[a.n for a in arms], mean_s=[a.mean_s for a in arms], p50_s=[a.p50_s for a in arms],
+                      p99_s=[a.p99_s for a in arms], windows_s=windows if any(windows) else [])
+
+
+def _cell_columns(cells: list[CellLatency]) -> CellColumns:
+    contended = [c.contended_windows for c in cells]
+    return CellColumns(op=[c.op for c in cells], tokens=[c.tokens for c in cells],
+                       stable=_arm_columns([c.stable for c in cells]),
+                       candidate=_arm_columns([c.candidate for c in cells]),
+                       contended_windows=contended if any(contended) else [])
+
+
+def _resource_columns(rows: list[CellResources]) -> ResourceColumns:
+    def col(values: list[int | None]) -> list[int | None]:
+        return values if any(v is not None for v in values) else []
+    return ResourceColumns(op=[r.op for r in rows], tokens=[r.tokens for r in rows],
+                           stable_peak_bytes=col([r.stable_peak_bytes for r in rows]),
+                           candidate_peak_bytes=col([r.candidate_peak_bytes for r in rows]),
+                           stable_launches=col([r.stable_launches for r in rows]),
+                           candidate_launches=col([r.candidate_launches for r in rows]))
+
+
+def _arm(arms: ArmColumns, i: int) -> ArmLatency:
+    return ArmLatency(n=arms.n[i], mean_s=arms.mean_s[i], p50_s=arms.p50_s[i], p99_s=arms.p99_s[i],
+                      windows_s=arms.windows_s[i] if arms.windows_s else [])
+
+
+def _cells(c: CellColumns) -> list[CellLatency]:
+    return [CellLatency(op=op, tokens=t, stable=_arm(c.stable, i), candidate=_arm(c.candidate, i),
+                        contended_windows=c.contended_windows[i] if c.contended_windows else 0)
+            for i, (op, t) in enumerate(zip(c.op, c.tokens, strict=True))]
 
 
 class ReportBatch(Strict):

@@ -17,8 +17,8 @@ reports it at once (``heartbeat_now``: a watch sent on its other connection, as 
 While the reply carries a trial spec and the candidate is staged, a trial coroutine produces one
 ``wire.TrialReport`` per trial interval (latencies from the judge's
 noise model, :mod:`sim.judge.noise`), real-sized (``report_kb``: 6-46 KB, a real agent's report on CPU: many
-latency pairs), kept in the agent's outbox and sent one report per request, as the agent does, until a 200
-acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
+latency pairs), kept in the agent's outbox and sent as the agent sends them (``agents.outbox``: what is waiting
+in one request, bounded by bytes; the cell tables as columns), until a 200 acknowledges it. 429/503 answers are retried after their ``Retry-After`` with jitter; nothing leaves the
 outbox unacknowledged.
 
 HTTP: :mod:`sim.fleet.http` (h11 on asyncio, a fraction of httpx's CPU per request, so the simulator measures
@@ -45,6 +45,7 @@ from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type
 
 from agents.client import backoff_wait
+from agents.outbox import MAX_BATCH_BYTES
 from kernelctl import wire
 from sim.fleet import http
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
@@ -59,6 +60,7 @@ DOWNLOAD_JITTER_S = 2.0  # the agent's default (agents.daemon: AgentConfig.downl
 DOWNLOAD_BACKOFF_S = 1.0  # first retry of a failed download after about this long, doubling ...
 DOWNLOAD_BACKOFF_MAX_S = 30.0  # ... up to this long
 PAIR_BYTES = 110  # one wire.LatencyPair in a report's JSON
+REPORT_BYTES = 1024  # a report's JSON but its latency pairs (about)
 
 
 class DownloadFailed(Exception):
@@ -408,10 +410,15 @@ class Fleet:
         return max(1, int(kb * 1024 / PAIR_BYTES))
 
     async def flush(self, a: SimAgent) -> None:
-        """Send the outbox one report per request, as the agent does; keep each until a 200 acknowledges it
-        (retried after 429/503)."""
+        """Send the outbox as the agent does (what is waiting, at most ``MAX_BATCH_BYTES`` of reports in one
+        request); keep each until a 200 acknowledges it (retried after 429/503)."""
         while a.outbox and a.token is not None and self.running:
-            batch = a.outbox[:1]
+            batch, size = [], 0
+            for r in a.outbox[:100]:
+                size += REPORT_BYTES + PAIR_BYTES * len(r.latency)
+                if batch and size > MAX_BATCH_BYTES:
+                    break
+                batch.append(r.compact())
             now = time.monotonic()
             for r in batch:
                 self.stats.sent_keys.add(r.idempotency_key)

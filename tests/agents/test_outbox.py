@@ -87,3 +87,41 @@ def test_wal_and_state(tmp_path: Path) -> None:
     box.close()
     mode = sqlite3.connect(tmp_path / "o.db").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+
+
+class Refused(Exception):
+    """What ``send`` raises for a request the controller refused as invalid (the client's 4xx)."""
+
+
+def test_requests_bounded_by_bytes_and_a_refused_report_found_and_kept(tmp_path: Path) -> None:
+    """What is waiting goes in one request up to ``max_bytes`` (a report larger goes alone); a refused request
+    is sent again one report at a time: the report at fault is kept as rejected (never resent), the others
+    acknowledged; a report the controller's answer refuses by key is kept as rejected with its reason."""
+    box = Outbox(tmp_path / "o.db")
+    reps = [report() for _ in range(6)]
+    bad, late = reps[2].idempotency_key, reps[4].idempotency_key
+    for r in reps:
+        box.add(r)
+    size = len(reps[0].model_dump_json())
+    assert len(box.pending(100, max_bytes=3 * size)) == 3 and len(box.pending(100, max_bytes=1)) == 1
+    sent: list[list[str]] = []
+
+    def send(batch: list[TrialReport]) -> ReportBatchResponse:
+        keys = [r.idempotency_key for r in batch]
+        sent.append(keys)
+        if bad in keys:
+            raise Refused(f"422: report {bad} is invalid")
+        refused = {late: "not a current canary"} if late in keys else {}
+        return ReportBatchResponse(accepted=len(keys) - len(refused), duplicates=0, refused=refused)
+
+    assert box.flush(send, max_bytes=4 * size, refuses=lambda exc: isinstance(exc, Refused)) == 6
+    keys = [r.idempotency_key for r in reps]
+    assert sent == [keys[:4], *([k] for k in keys[:4]), keys[4:]]
+    assert box.depth() == 0
+    assert box.rejected() == [(bad, f"422: report {bad} is invalid"),
+                              (late, "refused by the controller: not a current canary")]
+    with pytest.raises(ConnectionError):  # another failure is not a refusal: the batch stays, nothing rejected
+        box.add(report())
+        box.flush(lambda batch: (_ for _ in ()).throw(ConnectionError("down")), refuses=lambda e: isinstance(e, Refused))
+    assert box.depth() == 1 and len(box.rejected()) == 2
+    box.close()

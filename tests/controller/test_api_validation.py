@@ -196,3 +196,86 @@ def test_malformed_per_cell_data_refused_with_field(ctl: ControllerProcess, tria
     assert _fields(_post_batch(node, [extra])) == ["body.reports.0.resources.0.bogus"]
     # nothing was stored by the refused batches: the good report is still new
     assert _post_batch(node, [good]).json() == {"accepted": 1, "duplicates": 0}
+
+
+def _real(key: str, trial: dict, kb: float = 8.0, **changes: object) -> dict:
+    import random
+
+    from sim.fleet.realreport import real_report
+
+    spec = {k: v for k, v in trial.items() if k != "node"}
+    return {**real_report(key, spec, kb=kb, rng=random.Random(key)), **changes}
+
+
+def test_agent_outbox_keeps_the_good_reports_of_a_refused_request(ctl: ControllerProcess, trial: dict,
+                                                                   tmp_path) -> None:
+    """The agent's outbox sends what is waiting in one request, its cell tables as columns (the real client);
+    the controller refuses that request for one bad report (422, nothing stored); the outbox then finds the bad
+    one, keeps it as rejected with the controller's reason (never resent) and the good ones are stored."""
+    from agents.client import ControllerClient
+    from agents.daemon import _refused
+    from agents.outbox import Outbox
+    from kernelctl import wire
+
+    node = trial["node"]
+    token = node.headers["Authorization"].removeprefix("Bearer ")
+    good = [wire.TrialReport.model_validate(_real(f"val-box-good-{i}", trial)) for i in range(3)]
+    bad = wire.TrialReport.model_validate({**_real("val-box-bad-00", trial), "rollout_id": 999999})
+    box = Outbox(tmp_path / "outbox.db")
+    client = ControllerClient(ctl.url, token, max_attempts=1)
+    requests: list[int] = []
+
+    def send(batch: list[wire.TrialReport]) -> wire.ReportBatchResponse:
+        requests.append(len(batch))
+        return client.send_reports("gpu-val-1", batch)
+
+    try:
+        for r in (good[0], bad, *good[1:]):
+            box.add(r)
+        assert box.flush(send, refuses=_refused) == 4
+        assert requests == [4, 1, 1, 1, 1] and client.report_columns  # one request, then one by one
+        ((key, reason),) = box.rejected()
+        assert key == bad.idempotency_key and "rollout 999999 does not exist" in reason
+        assert box.depth() == 0 and box.flush(send, refuses=_refused) == 0 and requests == [4, 1, 1, 1, 1]
+    finally:
+        client.close()
+        box.close()
+    # stored once each, as columns: the same reports sent again as lists are duplicates
+    assert _post_batch(node, [r.model_dump(mode="json") for r in good]).json() == {"accepted": 0, "duplicates": 3}
+
+
+def test_malformed_columns_refused_with_what_is_wrong(ctl: ControllerProcess, trial: dict) -> None:
+    """A compact report (encoding 2) whose columns do not make a table is refused (422) naming the table and
+    what is wrong; nothing of the batch is stored."""
+    from kernelctl import wire
+
+    node = trial["node"]
+    good = wire.TrialReport.model_validate(_real("val-col-000001", trial)).compact().model_dump(mode="json")
+    cols = good["columns"]
+
+    def bad(path: str, value: object) -> dict:
+        doc = json.loads(json.dumps(good))
+        *parents, last = path.split(".")
+        target = doc["columns"]
+        for p in parents:
+            target = target[p]
+        target[last] = value
+        return doc
+
+    cases = [
+        (bad("cells.stable.mean_s", cols["cells"]["stable"]["mean_s"][:-1]), "body.reports.1.columns.cells.stable",
+         "column mean_s has"),
+        (bad("cells.candidate.p50_s", [1.0] * len(cols["cells"]["op"])), "body.reports.1.columns.cells.candidate",
+         "row 0: p50_s 1.0 is above p99_s"),
+        (bad("cells.tokens", [1] * len(cols["cells"]["op"])), "body.reports.1.columns.cells",
+         "appears twice"),
+        (bad("weights.weight", [-1.0, *cols["weights"]["weight"][1:]]), "body.reports.1.columns.weights.weight.0",
+         "greater than or equal to 0"),
+        (bad("resources.stable_launches", [1]), "body.reports.1.columns.resources", "column stable_launches has 1"),
+        ({**good, "cells": _real("x-000001", trial)["cells"]}, "body.reports.1", "not both"),
+    ]
+    for doc, loc, msg in cases:
+        r = _post_batch(node, [_real("val-col-000002", trial), doc])
+        assert _fields(r) == [loc], (loc, r.text)
+        assert msg in r.json()["detail"][0]["msg"], (msg, r.text)
+    assert _post_batch(node, [good]).json() == {"accepted": 1, "duplicates": 0}  # nothing partially written

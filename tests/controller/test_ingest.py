@@ -173,3 +173,67 @@ def test_signals_per_cell_weighted_aggregate_e2e_memory_launches(kit: Kit, setup
     old = ReportSignals.from_stored({"cells": {"swiglu@1": 0.1}, "aggregate": 0.05, "e2e": 0.01, "numeric": sig["numeric"]})
     assert old.cells == {} and old.legacy_cells == {"swiglu@1": 0.1} and old.legacy_aggregate == 0.05
     assert old.numeric is not None and old.numeric.checks == 1
+
+
+def _real(kit: Kit, rid: int, cand: wire.BundleRef, key: str, kb: float, seed: int,
+          **changes: object) -> wire.TrialReport:
+    """A real-agent-shaped report (``sim.fleet.realreport``) with optional changes (older fields, gaps)."""
+    import random
+
+    from sim.fleet.realreport import real_report
+
+    with kit.tx() as s:
+        stratum = kit.report(kit.node(s, "h-000"), rid, cand, None, key="unused-0001").stratum
+    trial = {"rollout_id": rid, "stratum": stratum, "candidate": cand.model_dump(), "stable": None}
+    doc = real_report(key, trial, kb=kb, rng=random.Random(seed))
+    doc.update(changes)
+    return wire.TrialReport.model_validate(doc)
+
+
+def test_columns_store_the_same_row_and_signals_as_lists(kit: Kit, setup) -> None:
+    """Encoding 2 (columns, ``kernelctl.wire_columns``) against encoding 1 (lists of objects), on SQLite and
+    PostgreSQL: the same report sent both ways (two keys) is stored as the same row, signals included; the
+    columns round-trip through JSON and back to the same lists. Varied shapes: no traffic weights, a weight
+    of 0 and a profile naming a cell not measured (no aggregate), a resource row without memory, contended
+    windows, older agents' per-round pairs and e2e rounds next to cells, no cells at all."""
+    rid, cand = setup
+    cases = [
+        {},
+        {"weights": []},
+        {"weights": [{"op": "rope", "tokens": 1, "weight": 0.0}, {"op": "nope", "tokens": 3, "weight": 2.0}]},
+        {"resources": [{"op": "swiglu", "tokens": 8, "stable_launches": 3, "candidate_launches": 4}]},
+        {"latency": [{"op": "x", "tokens": 2, "stable_s": 1e-3, "candidate_s": 1.2e-3}] * 3, "e2e": None,
+         "e2e_pairs": [{"stable_s": 1e-3, "candidate_s": 1.1e-3}, {"stable_s": 2e-3, "candidate_s": 1.9e-3}]},
+        {"cells": [], "weights": [], "resources": []},
+    ]
+    lists, columns = [], []
+    for i, change in enumerate(cases):
+        r = _real(kit, rid, cand, f"enc1-{i:04d}", kb=6 + 7 * i, seed=i, **change)
+        if i == 0:
+            cells = [c.model_copy(update={"contended_windows": 2}) if j == 1 else c for j, c in enumerate(r.cells)]
+            r = r.model_copy(update={"cells": cells})
+        c = r.compact().model_copy(update={"idempotency_key": f"enc2-{i:04d}"})
+        assert (c.columns is not None) == bool(r.cells or r.resources or r.weights)
+        assert not (c.cells or c.resources or c.weights)
+        wire_c = wire.TrialReport.model_validate_json(c.model_dump_json())
+        assert wire_c == c and wire_c.expanded() == r.model_copy(update={"idempotency_key": c.idempotency_key})
+        lists.append(r)
+        columns.append(wire_c)
+    assert _ingest(kit, "h-000", lists + columns) == (2 * len(cases), 0)
+    fields = ("outcome", "latency_log_ratio", "n_pairs", "peak_memory_bytes", "measured_at", "detail", "signals",
+              "rollout_id", "stratum", "bundle_id", "stable_bundle_id")
+    with kit.tx() as s:
+        rows = {r.idempotency_key: r for r in s.scalars(select(Report))}
+    for i, case in enumerate(cases):
+        one, two = rows[f"enc1-{i:04d}"], rows[f"enc2-{i:04d}"]
+        assert {f: getattr(one, f) for f in fields} == {f: getattr(two, f) for f in fields}, case
+        sig = ReportSignals.from_stored(two.signals)
+        if i == 0:
+            assert sig.aggregate is not None and len(sig.cells) == len(lists[0].cells) and sig.e2e is not None
+            assert list(sig.cells.values())[1].contended_windows == 2 and sig.memory and sig.launches
+        if i == 2:
+            assert sig.aggregate is None  # a weighted cell was not measured
+        if i == 4:
+            assert "x@2" in sig.cells and sig.e2e is not None and sig.e2e.stable.n == 2
+        if i == 5:
+            assert sig.cells == {} and sig.aggregate is None and two.signals["cells"] == {}
