@@ -45,6 +45,10 @@ log = logging.getLogger("kernelctl.server")
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, *, process: bool = False) -> None:
+        super().__init__()
+        self.process = process
+
     def format(self, record: logging.LogRecord) -> str:
         doc = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
@@ -52,17 +56,21 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.process:
+            doc["pid"] = record.process
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc)
 
 
-def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+def configure_logging(level: str = "INFO", fmt: str = "text", *, process: bool = False) -> None:
+    """Logging to stderr; ``process``: each line names its process (an API worker's, with several)."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(process=process))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        where = "[%(process)d]" if process else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -193,7 +201,7 @@ class WorkerConfig(uvicorn.Config):
         from ``__init__``, where the logging is already configured and the signals are the supervisor's)."""
         if os.getpid() == self.supervisor_pid:
             return
-        configure_logging(self.settings.log_level, self.settings.log_format)
+        configure_logging(self.settings.log_level, self.settings.log_format, process=True)
         # uvicorn re-raises the signal it stopped on, after its graceful shutdown, through the handler in place
         # before it started: a quiet exit with status 0 (a SIGTERM before serving ends the worker the same way)
         for sig in (signal.SIGTERM, signal.SIGINT):
