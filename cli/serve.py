@@ -19,18 +19,21 @@ def serve_cmd(
     bootstrap_tokens: Annotated[Path | None, typer.Option(help="File of `role name token [node]` lines.")] = None,
     tick_seconds: Annotated[float | None, typer.Option(help="Judge tick period.")] = None,
     port_file: Annotated[Path | None, typer.Option(help="Write the bound port here once listening.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="API worker processes on the one socket, PostgreSQL only (default: KERNELCTL_API_WORKERS, 1).",
+        show_default=False)] = None,
 ) -> None:
     """Run the controller (HTTP API + leader-only scheduler) until SIGTERM."""
     from pydantic import ValidationError
 
-    from controller.server import serve
+    from controller.server import WorkersRefused, serve
     from kernelctl.settings import Settings
 
     overrides = {
         k: v
         for k, v in {
             "listen_host": host, "listen_port": port, "database_url": db, "trusted_keys_dir": trusted_keys,
-            "bootstrap_tokens_file": bootstrap_tokens, "tick_seconds": tick_seconds,
+            "bootstrap_tokens_file": bootstrap_tokens, "tick_seconds": tick_seconds, "api_workers": workers,
         }.items()
         if v is not None
     }
@@ -42,6 +45,8 @@ def serve_cmd(
     with database_errors():
         try:
             serve(settings, port_file=port_file)
+        except WorkersRefused as exc:  # a usage error: the flags (or settings) ask for what cannot run
+            fail(str(exc), EXIT_USAGE)
         except (OSError, ValueError) as exc:
             fail(str(exc))
         except Exception as exc:  # kernelpack key errors and the like: one line

@@ -3,15 +3,21 @@
 Event metrics (counters, histograms) are updated where things happen; fleet gauges (rollouts by state,
 nodes by arch/state, canaries per phase, step age) are read from the database at scrape time, so every replica reports the
 same truth without a tick having to run.
+
+Several API worker processes (``kernelctl serve --workers N``, controller.server): prometheus-client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before the workers start): a scrape answered by any worker
+shows the replica's sums over its workers (counters and histograms added up, ``kernelctl_leader`` the largest
+of the workers', so 1 when one of them leads), and the fleet gauges once, read from the database.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
@@ -94,7 +100,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.leader = Gauge("kernelctl_leader", "1 when this replica is the leader.", registry=r)
+        self.leader = Gauge("kernelctl_leader", "1 when this replica is the leader.", registry=r,
+                            multiprocess_mode="max")  # one worker of the replica leads
         self.rollbacks = Counter("kernelctl_rollbacks_total", "Rollbacks decided (judge or operator).", registry=r)
         self.verdicts = Counter(
             "kernelctl_verdicts_total", "Judge verdicts by gate and decision.", ["gate", "decision"], registry=r
@@ -162,4 +169,12 @@ class Metrics:
         self._factory = factory
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: this process's registry, or with several worker processes (multiprocess mode)
+        every worker's metrics merged from their files, plus the fleet gauges."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not path:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry(auto_describe=False)
+        multiprocess.MultiProcessCollector(merged, path)
+        merged.register(_FleetCollector(lambda: self._factory))
+        return generate_latest(merged)

@@ -4,6 +4,14 @@ The socket is bound before uvicorn starts (port 0 picks a free port); the bound 
 with ``port_file``, written to a file so that tests and supervisors learn it without racing. On SIGTERM
 or SIGINT uvicorn stops accepting, finishes in-flight requests, and the lifespan stops the scheduler and
 releases leadership. Access logs carry method, path and status only: never headers, so never tokens.
+
+Several API worker processes (``api_workers`` > 1, PostgreSQL only): uvicorn's own supervisor
+(``uvicorn.supervisors.Multiprocess``) spawns them on the one listening socket, restarts one that dies and, on
+SIGTERM/SIGINT, passes SIGTERM to each (each shuts down gracefully, as one process does). The parent checks
+the database, schema and keys and hashes the bootstrap tokens in once; each worker (:class:`WorkerConfig`)
+builds its own state: engine, desired-state snapshot woken by LISTEN/NOTIFY (as a second replica's is), leader
+elector and scheduler (the advisory lock lets one of them lead). Metrics are summed over the workers with
+prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, a fresh directory unless set).
 """
 
 from __future__ import annotations
@@ -13,14 +21,22 @@ import gc
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
 
 from controller.api.app import build_state, create_app
+from controller.db.engine import is_sqlite, parse_url
+from controller.errors import first_line
 from controller.http_limits import protocol_class
 from controller.notify import parse_targets
 from kernelctl.settings import Settings
@@ -29,6 +45,10 @@ log = logging.getLogger("kernelctl.server")
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, *, process: bool = False) -> None:
+        super().__init__()
+        self.process = process
+
     def format(self, record: logging.LogRecord) -> str:
         doc = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
@@ -36,17 +56,21 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.process:
+            doc["pid"] = record.process
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc)
 
 
-def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+def configure_logging(level: str = "INFO", fmt: str = "text", *, process: bool = False) -> None:
+    """Logging to stderr; ``process``: each line names its process (an API worker's, with several)."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(process=process))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        where = "[%(process)d]" if process else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -123,9 +147,131 @@ def connection_limit(configured: int, fd_limit: int) -> int:
     return max(1, min(configured, fd_limit - FD_RESERVE if fd_limit > 2 * FD_RESERVE else fd_limit // 2))
 
 
+class WorkersRefused(ValueError):
+    """``api_workers`` > 1 asked of a database that cannot have several controller processes (SQLite)."""
+
+
+def check_workers(settings: Settings) -> None:
+    """Several API worker processes need PostgreSQL: each is a controller process of its own (its snapshot woken
+    by LISTEN/NOTIFY, a leader elected by advisory lock); SQLite has neither and is one controller by design."""
+    if settings.api_workers > 1 and is_sqlite(parse_url(settings.database_url)):
+        raise WorkersRefused(f"{settings.api_workers} API workers need PostgreSQL (the database is SQLite, one "
+                             "controller process by design): use --workers 1 or a postgresql+psycopg:// database")
+
+
+def _uvicorn_options(settings: Settings, max_connections: int) -> dict[str, Any]:
+    """uvicorn's settings of a controller process (one or each worker); the protocol class is built apart
+    (:func:`controller.http_limits.protocol_class`), it cannot cross a process boundary."""
+    return dict(
+        log_config=None,
+        access_log=True,
+        lifespan="on",
+        timeout_graceful_shutdown=20,
+        proxy_headers=False,
+        server_header=False,
+        # bounded work per connection (docs/deploy.md "Request limits"): header deadline, header size,
+        # idle keep-alive, concurrency; body deadline and sizes are enforced in the app
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
+        limit_concurrency=max_connections,
+    )
+
+
+def _protocol(settings: Settings) -> type:
+    return protocol_class(settings.header_timeout_seconds, impl=settings.http_impl,  # type: ignore[arg-type]
+                          max_header_bytes=settings.max_header_bytes)
+
+
+class WorkerConfig(uvicorn.Config):
+    """uvicorn's configuration of one API worker process. It crosses into the spawned worker by pickling (only
+    the settings and plain options), and the worker builds what cannot: its logging, its state (engine, hub,
+    elector), the app and the protocol class, then freezes its start-up heap (:func:`settle_heap`). A worker that
+    cannot build its state exits with uvicorn's start-up failure code, which stops the parent instead of a
+    restart loop."""
+
+    def __init__(self, settings: Settings, *, workers: int, max_connections: int) -> None:
+        self.settings = settings  # first: uvicorn.Config's __init__ calls configure_logging
+        self.supervisor_pid = os.getpid()
+        super().__init__("controller.server:WorkerConfig", workers=workers, http="h11",
+                         timeout_worker_healthcheck=30,  # a worker busy in a full collection still answers
+                         **_uvicorn_options(settings, max_connections))
+
+    def configure_logging(self) -> None:
+        """The worker's first step (uvicorn calls it in the new process, before serving; and in the parent,
+        from ``__init__``, where the logging is already configured and the signals are the supervisor's)."""
+        if os.getpid() == self.supervisor_pid:
+            return
+        configure_logging(self.settings.log_level, self.settings.log_format, process=True)
+        # uvicorn re-raises the signal it stopped on, after its graceful shutdown, through the handler in place
+        # before it started: a quiet exit with status 0 (a SIGTERM before serving ends the worker the same way)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_quietly)
+
+    def load(self) -> None:
+        try:
+            state = build_state(self.settings)
+        except Exception as exc:  # database down, schema behind, keys unreadable: the parent stops
+            log.error("API worker %d cannot start: %s", os.getpid(), first_line(exc))
+            sys.exit(STARTUP_FAILURE)
+        self.app = create_app(self.settings, state=state)
+        self.http = _protocol(self.settings)
+        super().load()
+        settle_heap()
+
+
+def _exit_quietly(_sig: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
+@contextlib.contextmanager
+def metrics_directory() -> Iterator[Path]:
+    """The directory where the workers' metrics meet (prometheus-client multiprocess mode), exported to the
+    workers as ``PROMETHEUS_MULTIPROC_DIR``: the operator's (emptied of a previous run's files) or a fresh one,
+    removed at exit."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):
+            stale.unlink()
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix="kernelctl-metrics-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_port(port_file: Path | None, port: int) -> None:
+    if port_file is not None:
+        tmp = port_file.with_suffix(port_file.suffix + ".tmp")
+        tmp.write_text(f"{port}\n")
+        os.replace(tmp, port_file)
+
+
+def _serve_workers(settings: Settings, sock: socket.socket, max_connections: int, port_file: Path | None) -> None:
+    """Serve with ``settings.api_workers`` worker processes under uvicorn's supervisor until SIGTERM/SIGINT."""
+    # the parent hashed the bootstrap tokens in (build_state): the workers need not, and must not race on it
+    worker_settings = settings.model_copy(update={"bootstrap_tokens_file": None})
+    with metrics_directory() as metrics_dir:
+        config = WorkerConfig(worker_settings, workers=settings.api_workers, max_connections=max_connections)
+        supervisor = Multiprocess(config, sockets=[sock])
+        log.info("kernelctl controller: %d API worker processes (metrics in %s)", settings.api_workers, metrics_dir)
+        _write_port(port_file, sock.getsockname()[1])
+        supervisor.run()
+    failed = [p.pid for p in supervisor.processes if p.exitcode == STARTUP_FAILURE]
+    if failed:
+        raise RuntimeError(f"API worker process {failed[0]} failed to start (its log line above says why)")
+
+
 def serve(settings: Settings, *, port_file: Path | None = None) -> None:
-    """Run the controller until SIGTERM/SIGINT. Raises DatabaseError/OSError/ValueError before serving."""
+    """Run the controller until SIGTERM/SIGINT. Raises DatabaseError/OSError/ValueError (WorkersRefused:
+    several workers on SQLite) before serving."""
     configure_logging(settings.log_level, settings.log_format)
+    check_workers(settings)
     parse_targets(settings.notify_urls)  # a bad KERNELCTL_NOTIFY_URLS is refused before anything starts
     _upgrade_embedded_database(settings.database_url)
     state = build_state(settings)  # fail fast: DB reachable, schema at head, keys and tokens loaded
@@ -139,31 +285,21 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     if settings.public_url is None and host not in ("0.0.0.0", "::"):  # notifications link to the bound address
         shown = f"[{host}]" if ":" in host else host
         settings = state.settings = settings.model_copy(update={"public_url": f"http://{shown}:{port}"})
-    app = create_app(settings, state=state)
-    protocol = protocol_class(settings.header_timeout_seconds, impl=settings.http_impl,  # type: ignore[arg-type]
-                              max_header_bytes=settings.max_header_bytes)
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        access_log=True,
-        lifespan="on",
-        timeout_graceful_shutdown=20,
-        proxy_headers=False,
-        server_header=False,
-        # bounded work per connection (docs/deploy.md "Request limits"): header deadline, header size,
-        # idle keep-alive, concurrency; body deadline and sizes are enforced in the app
-        http=protocol,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
-        limit_concurrency=max_connections,
-    )
-    server = uvicorn.Server(config)
+    protocol = _protocol(settings)
     log.info("kernelctl controller listening on http://%s:%d (database %s, http %s)", host, port,
-             state.engine.url.render_as_string(hide_password=True), protocol.http_impl)
-    if port_file is not None:
-        tmp = port_file.with_suffix(port_file.suffix + ".tmp")
-        tmp.write_text(f"{port}\n")
-        os.replace(tmp, port_file)
+             state.engine.url.render_as_string(hide_password=True), protocol.http_impl)  # type: ignore[attr-defined]
+    if settings.api_workers > 1:
+        state.engine.dispose()  # the workers build their own; the parent only supervises them
+        try:
+            _serve_workers(settings, sock, max_connections, port_file)
+        finally:
+            sock.close()
+        log.info("kernelctl controller stopped")
+        return
+    app = create_app(settings, state=state)
+    config = uvicorn.Config(app, http=protocol, **_uvicorn_options(settings, max_connections))
+    server = uvicorn.Server(config)
+    _write_port(port_file, port)
     # uvicorn re-raises the signal it stopped on (after a graceful shutdown) through the handler that was in
     # place before it started: make that handler ask for the same graceful exit, so SIGTERM exits 0.
     def _graceful(_sig: int, _frame: object) -> None:

@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     max_watches_per_node: int = Field(
         4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "
         "holds one); more are answered 429.")
+    api_workers: int = Field(
+        1, ge=1, le=64, description="API worker processes of `kernelctl serve` (uvicorn's workers on one listening "
+        "socket), each with its own desired-state snapshot woken by LISTEN/NOTIFY; exactly one of them leads. "
+        "PostgreSQL only (more than 1 on SQLite is refused). The per-replica limits apply to each worker.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
         None, description="File of `role name token` lines hashed into the database at start-up."

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -366,7 +367,9 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
             check_schema_current(st.engine)
         except DatabaseError as exc:
             return JSONResponse({"ready": False, "leader": st.elector.is_leader, "detail": str(exc)}, 503)
-        return JSONResponse({"ready": True, "leader": st.elector.is_leader, "version": __version__})
+        # leader: whether the process that answered leads (one of a replica's API workers does)
+        return JSONResponse({"ready": True, "leader": st.elector.is_leader, "version": __version__,
+                             "pid": os.getpid()})
 
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:

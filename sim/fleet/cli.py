@@ -46,6 +46,9 @@ def fleet_command(
     ingest_processes: int = typer.Option(0, "--ingest-processes", min=0, max=64,
                                          help="The controller's report worker processes (KERNELCTL_INGEST_PROCESSES; "
                                               "0: two threads of the API process)."),
+    api_workers: int = typer.Option(1, "--api-workers", min=1, max=64,
+                                    help="The controller's API worker processes (KERNELCTL_API_WORKERS; "
+                                         "PostgreSQL only past 1)."),
     bundle_cache: Path | None = typer.Option(None, "--bundle-cache",
                                              help="Where the signed simulation bundles are built once "
                                                   "(default: the user cache dir)."),
@@ -63,7 +66,7 @@ def fleet_command(
                       margin_pct=margin_pct, seed=seed, stale_after=stale_after,
                       bundle_cache=bundle_cache, trial_interval=trial_interval, report_kb=report_kb,
                       download_per_agent=not download_once, lost_reply_share=lost_reply_share,
-                      ingest_processes=ingest_processes)
+                      ingest_processes=ingest_processes, api_workers=api_workers)
     # the simulator itself (numpy, asyncio agents) only for this command: every other kernelctl verb starts
     # without it (this module is mounted by cli/app.py)
     from sim.fleet.report import print_table

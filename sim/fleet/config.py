@@ -44,6 +44,7 @@ class FleetConfig:
     download_per_agent: bool = True  # every canary downloads the bundle itself (False: once for the fleet)
     lost_reply_share: float = 0.02  # registration replies lost on purpose (the retry must get the same node)
     ingest_processes: int = 0  # the controller's report worker processes (KERNELCTL_INGEST_PROCESSES; 0: threads)
+    api_workers: int = 1  # the controller's API worker processes (KERNELCTL_API_WORKERS; PostgreSQL only past 1)
 
     @property
     def stale_after_seconds(self) -> float:

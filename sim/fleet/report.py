@@ -141,7 +141,7 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
     out: dict[str, Any] = {
         "scenario": sc.name, "nodes": cfg.nodes, "candidate": f"{BUNDLE}@{sc.candidate}",
         "heartbeat_seconds": cfg.heartbeat_seconds, "tick_seconds": cfg.tick_seconds,
-        "connections": cfg.connections, "ingest_processes": cfg.ingest_processes, "cpus": os.cpu_count(),
+        "connections": cfg.connections, "ingest_processes": cfg.ingest_processes, "api_workers": cfg.api_workers, "cpus": os.cpu_count(),
         "wall_s": round(wall, 2),
         "phases_s": {k: round(v, 2) for k, v in phases.items()},
         "rollout": {"id": detail.get("id"), "state": detail.get("state"), "strata": strata},

@@ -40,7 +40,7 @@ def controller(cfg: FleetConfig, db_url: str, work: Path, trusted: Path, tokens:
     env = serve_env(db_url, data_dir=work / "data", tick_seconds=cfg.tick_seconds,
                     heartbeat_seconds=cfg.heartbeat_seconds, stale_after_seconds=cfg.stale_after_seconds,
                     trusted_keys_dir=trusted, bootstrap_tokens_file=tokens_file, log_level="WARNING",
-                    KERNELCTL_INGEST_PROCESSES=str(cfg.ingest_processes))
+                    KERNELCTL_INGEST_PROCESSES=str(cfg.ingest_processes), KERNELCTL_API_WORKERS=str(cfg.api_workers))
     return ServeProcess(work, env, reuse_port=True)
 
 
