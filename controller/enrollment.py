@@ -80,13 +80,18 @@ def register_node(session: Session, node_name: str, inventory: wire.Inventory, a
     return node
 
 
+_NEW = 2**63  # sorts after every node id
+
+
 def register_many(session: Session, items: list[Registration], now: dt.datetime | None = None
                   ) -> list[Registered | Exception]:
     """Register every item (see the module docstring); one result per item, in order."""
     now = now or utcnow()
     out: list[Registered | Exception | None] = [None] * len(items)
     names = {it.req.node_name for it in items}
-    existing = dict(session.execute(select(Node.name, Node.registration_key_hash).where(Node.name.in_(names))).all())
+    found = session.execute(select(Node.name, Node.registration_key_hash, Node.id).where(Node.name.in_(names))).all()
+    existing = {name: key for name, key, _ in found}
+    node_ids = {name: nid for name, _, nid in found}
     fresh: dict[str, int] = {}  # node name -> index of the item that creates it
     one_by_one: list[int] = []
     for i, it in enumerate(items):
@@ -106,7 +111,7 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
     conn = session.connection()  # a new node is not a change of desired state (no bump)
     if fresh:
         dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-        rows = [_node_row(items[i], now) for i in fresh.values()]
+        rows = [_node_row(items[fresh[name]], now) for name in sorted(fresh)]  # inserted in name order
         # executemany with RETURNING (SQLAlchemy's insertmanyvalues): one compiled statement whatever the batch
         ids = {n: nid for nid, n in conn.execute(
             dialect.insert(Node).on_conflict_do_nothing(index_elements=["name"])
@@ -119,6 +124,9 @@ def register_many(session: Session, items: list[Registration], now: dt.datetime 
         created = {name: i for name, i in fresh.items() if name in ids}
         if created:
             _tokens_for(conn, items, created, ids, now, out)
+    # existing nodes locked in id order (as every writer of many nodes does: no lock cycle with another
+    # replica's batch or the liveness flush); nodes another transaction inserted meanwhile after them, by name
+    one_by_one.sort(key=lambda i: (node_ids.get(items[i].req.node_name, _NEW), items[i].req.node_name))
     for i in one_by_one:
         try:
             with session.begin_nested():

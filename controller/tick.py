@@ -65,9 +65,12 @@ class TickResult:
 def mark_stale(session: Session, now: dt.datetime, stale_after_seconds: float) -> list[str]:
     """Nodes without a heartbeat for ``stale_after_seconds`` become stale (one UPDATE, one event each)."""
     cutoff = now - dt.timedelta(seconds=stale_after_seconds)
+    # the rows locked in id order first, as every writer of many nodes does (controller.desired.liveness)
+    due = select(Node.id).where(Node.state == "active", Node.last_heartbeat_at < cutoff).order_by(Node.id) \
+        .with_for_update()
     names = list(session.execute(
-        update(Node).where(Node.state == "active", Node.last_heartbeat_at < cutoff).values(state="stale")
-        .returning(Node.name), execution_options={"synchronize_session": False}).scalars())
+        update(Node).where(Node.id.in_(due.scalar_subquery()), Node.state == "active", Node.last_heartbeat_at < cutoff)
+        .values(state="stale").returning(Node.name), execution_options={"synchronize_session": False}).scalars())
     if names:
         changed(session)  # a stale node is no canary: its stratum's step is topped up elsewhere
         reason = f"no heartbeat for {stale_after_seconds:g}s"

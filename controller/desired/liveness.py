@@ -20,6 +20,11 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 from controller.db.engine import aborted_by_lock_cycle
 
+# Every writer that locks many rows takes them in one order (nodes by id; assignments by node id, bundle name:
+# ``controller.switches``, the stale sweep, registration), so two replicas or API workers never lock in a cycle.
+PG_LOCK_NODES = text("SELECT id FROM nodes WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE")
+PG_LOCK_ASSIGNMENTS = text(
+    "SELECT 1 FROM assignments WHERE node_id = ANY(CAST(:ids AS bigint[])) ORDER BY node_id, bundle_name FOR UPDATE")
 PG_STAGED = text(
     "UPDATE assignments SET staged = CAST(v.doc AS json) FROM unnest(CAST(:ids AS bigint[]), CAST(:names AS text[]), "
     "CAST(:docs AS text[])) AS v(id, name, doc) WHERE assignments.node_id = v.id AND assignments.bundle_name = v.name")
@@ -82,8 +87,11 @@ class LivenessBuffer:
         with self.factory() as session:
             if self._postgres:
                 if batch:
-                    session.execute(PG_LIVENESS, {"ids": list(batch), "ats": list(batch.values())})
+                    ids = sorted(batch)
+                    session.execute(PG_LOCK_NODES, {"ids": ids})
+                    session.execute(PG_LIVENESS, {"ids": ids, "ats": [batch[i] for i in ids]})
                 if staged:
+                    session.execute(PG_LOCK_ASSIGNMENTS, {"ids": sorted({k[0] for k in docs})})
                     session.execute(PG_STAGED, {"ids": [k[0] for k in docs], "names": [k[1] for k in docs],
                                                 "docs": list(docs.values())})
             else:
