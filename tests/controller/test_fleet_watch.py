@@ -258,3 +258,55 @@ def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url:
     assert buffer.flush() == 0  # nothing new: nothing written
     buffer.note(snap.nodes["gpu-000"].id, later, {"llm-fused": (stable.version, cand.version)})
     assert buffer.flush() == 1  # the time only: the staged versions were already written by this replica
+
+
+@pytest.mark.parametrize("db_backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_writers_of_many_nodes_lock_them_in_id_order(kit: Kit) -> None:
+    """The liveness flush (every API worker and replica has one) and the leader's stale sweep take node rows in
+    ascending id order whatever order the heartbeats came in, so two of them never lock in a cycle (with two API
+    workers such deadlocks aborted whole batches). Shown by holding a middle row: the writer waits there having
+    locked every lower id and no higher one."""
+    from sqlalchemy.exc import OperationalError
+
+    from controller.desired.liveness import LivenessBuffer
+    from controller.tick import mark_stale
+
+    kit.nodes(6)
+    with kit.tx() as s:
+        ids = sorted(s.scalars(select(Node.id)).all())
+        # the two lowest ids rewritten: their rows now lie last in the table, so a scan's order is not id order
+        s.execute(update(Node).where(Node.id.in_(ids[:2])).values(last_heartbeat_at=T0))
+
+    def locked(nid: int) -> bool:
+        with kit.factory() as probe:
+            try:
+                probe.execute(select(Node.id).where(Node.id == nid).with_for_update(nowait=True))
+            except OperationalError:
+                return True
+            finally:
+                probe.rollback()
+            return False
+
+    def stale_sweep() -> list[str]:
+        with kit.tx() as s:
+            return mark_stale(s, T0 + dt.timedelta(hours=1), 45.0)
+
+    buffer = LivenessBuffer(kit.factory)
+    for nid in reversed(ids):  # heartbeats noted in descending id order
+        buffer.note(nid, T0 + dt.timedelta(seconds=10))
+    for write, expect in ((buffer.flush, 6), (stale_sweep, 6)):
+        pool = cf.ThreadPoolExecutor(1)
+        with kit.factory() as holder:
+            holder.execute(select(Node.id).where(Node.id == ids[3]).with_for_update())  # another transaction
+            fut = pool.submit(write)
+            try:
+                deadline = time.monotonic() + 10
+                while not locked(ids[0]):
+                    assert time.monotonic() < deadline, f"{write}: the lowest id was not locked first"
+                    time.sleep(0.05)
+                assert locked(ids[2]) and not locked(ids[4]) and not locked(ids[5]), write
+            finally:
+                holder.rollback()  # the writer goes on, however the test ends
+                pool.shutdown(wait=True)
+            got = fut.result(timeout=20)
+        assert (got if isinstance(got, int) else len(got)) == expect
