@@ -111,6 +111,3 @@ class JudgeMemo:
         self._carried[name] = (acc, len(reports))
         return acc  # type: ignore[return-value]
 
-    def series(self, reports: list[tuple[str, ReportSignals]], plan: PlanSpec) -> Judged:
-        """The judged series of ``reports`` (only the reports beyond those read before are read)."""
-        return self.carried("latency", reports, SeriesBuilder).series(plan)

@@ -7,10 +7,11 @@ them in order after the hard gates. Adding a signal touches its gate module, its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from controller.judge.series import JudgeMemo
+from controller.judge.series import C, JudgeMemo
 from controller.plan import PlanSpec, StepSpec
 from controller.signals import ReportSignals
 from kernelctl.vocab import GateName, MetricDecision, MetricKind, Statistic
@@ -28,6 +29,15 @@ class StepEvidence:
     ok_reports: int = 0
     reports: list[tuple[str, ReportSignals]] = field(default_factory=list)
     judge: JudgeMemo | None = field(default=None, compare=False, repr=False)
+
+    def observed(self, name: str, factory: Callable[[], C]) -> C:
+        """A gate's measurements ``name`` (made by ``factory``) of these reports: carried from the last tick and
+        extended by the reports appended since when the leader keeps the stratum's state, else read afresh."""
+        if self.judge is None:
+            acc = factory()
+            acc.extend(self.reports)
+            return acc
+        return self.judge.carried(name, self.reports, factory)
 
 
 @dataclass

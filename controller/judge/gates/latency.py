@@ -23,9 +23,7 @@ def series(ev: StepEvidence, ctx: GateContext) -> Judged:
     """Every judged latency series of the stratum: cells (sorted), then the aggregate, then e2e (from every
     report, or, when the evidence carries the leader's :class:`~controller.judge.series.JudgeMemo`, from the
     reports appended since it last read)."""
-    if ev.judge is not None:
-        return ev.judge.series(ev.reports, ctx.plan)
-    return SeriesBuilder().extend(ev.reports).series(ctx.plan)
+    return ev.observed("latency", SeriesBuilder).series(ctx.plan)
 
 
 def _arms(ev: StepEvidence, base: str) -> dict[str, object] | None:

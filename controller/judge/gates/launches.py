@@ -42,8 +42,7 @@ class LaunchesGate:
     name = GateName.LAUNCHES
 
     def measure(self, ev: StepEvidence, ctx: GateContext) -> list[MetricView]:
-        obs = LaunchesObs().extend(ev.reports) if ev.judge is None else ev.judge.carried("launches", ev.reports,
-                                                                                        LaunchesObs)
+        obs = ev.observed("launches", LaunchesObs)
         return obs.views(ctx)
 
     def evaluate(self, views: list[MetricView], ctx: GateContext) -> Breach | None:

@@ -56,8 +56,7 @@ class MemoryGate:
     name = GateName.MEMORY
 
     def measure(self, ev: StepEvidence, ctx: GateContext) -> list[MetricView]:
-        obs = MemoryObs().extend(ev.reports) if ev.judge is None else ev.judge.carried("memory", ev.reports,
-                                                                                      MemoryObs)
+        obs = ev.observed("memory", MemoryObs)
         return obs.views(ctx)
 
     def evaluate(self, views: list[MetricView], ctx: GateContext) -> Breach | None:
