@@ -203,15 +203,20 @@ def test_late_committing_report_with_a_lower_id(kit: Kit, db_backend: str) -> No
     assert cache.stats.pending == 0 and cache.stats.rebuilds == 1
 
 
+def _sm90_rollout(kit: Kit) -> tuple[int, wire.BundleRef, wire.BundleRef, EvidenceCache, list[Node]]:
+    """Four sm_90 nodes on a stable version, a rollout of 1.1.0 started and ticked once:
+    (rollout id, candidate, stable, the leader's cache, the canaries)."""
+    baseline(kit, archs=("sm_90",), n=4)
+    rid, cand = start(kit, "1.1.0", archs=("sm_90",), plan=PLAN)
+    cache = EvidenceCache()
+    judged_tick(kit, cache, 0)
+    return rid, cand, kit.ref(1), cache, canaries(kit, rid, S90)
+
+
 def _earlier_received_later_id(kit: Kit) -> None:
     """SQLite (one writer: ids commit in order): a report received earlier but stored later is placed by
     received_at, as the full read orders it."""
-    baseline(kit, archs=("sm_90",), n=4)
-    rid, cand = start(kit, "1.1.0", archs=("sm_90",), plan=PLAN)
-    stable = kit.ref(1)
-    cache = EvidenceCache()
-    judged_tick(kit, cache, 0)
-    nodes = canaries(kit, rid, S90)
+    rid, cand, stable, cache, nodes = _sm90_rollout(kit)
     for n in nodes:
         send(kit, n, rid, cand, stable, [0.001, 0.002], received=5)
     judged_tick(kit, cache, 6)
@@ -222,12 +227,7 @@ def _earlier_received_later_id(kit: Kit) -> None:
 
 def test_deleted_node_rebuilds(kit: Kit) -> None:
     """A node's deletion takes its reports with it: the cache reads everything again (and still agrees)."""
-    baseline(kit, archs=("sm_90",), n=4)
-    rid, cand = start(kit, "1.1.0", archs=("sm_90",), plan=PLAN)
-    stable = kit.ref(1)
-    cache = EvidenceCache()
-    judged_tick(kit, cache, 0)
-    nodes = canaries(kit, rid, S90)
+    rid, cand, stable, cache, nodes = _sm90_rollout(kit)
     for n in nodes:
         send(kit, n, rid, cand, stable, [0.001], received=1)
     judged_tick(kit, cache, 2)
