@@ -141,6 +141,10 @@ class Metrics:
             "kernelctl_heartbeat_service_seconds",
             "Heartbeat handling time excluding the watch (long-poll) hold, by path (fast: from the snapshot; "
             "slow: a transaction).", ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.heartbeat_full = Counter(
+            "kernelctl_heartbeat_full_total",
+            "Heartbeats that took the full transaction, by why the snapshot could not answer them "
+            "(kernelctl.vocab.FullHeartbeat).", ["reason"], registry=r)
         self.heartbeat_catch_up = Histogram(
             "kernelctl_heartbeat_catch_up_seconds",
             "A heartbeat carrying a generation newer than this replica's snapshot: the wait for the snapshot to "

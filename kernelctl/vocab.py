@@ -67,6 +67,20 @@ LaunchGate = Literal["rollback", "warn"]
 DEFAULT_MEMORY_MARGIN = 0.10
 
 
+class FullHeartbeat(StrEnum):
+    """Why a heartbeat took the full transaction rather than the replica's snapshot (counted per reason in
+    ``kernelctl_heartbeat_full_total``)."""
+
+    UNKNOWN_NODE = "unknown_node"  # not in this replica's snapshot (registered since its last load)
+    BEHIND = "behind"  # the node holds a generation newer than this replica's snapshot
+    NOT_ACTIVE = "not_active"  # stale, drained or retired: the transaction brings it back or refuses it
+    INVENTORY = "inventory"  # the agent sent its inventory (first heartbeat, restart, a change)
+    NEEDS_SYNC = "needs_sync"  # a stored row the snapshot cannot write (an old ``staged`` shape)
+    UNKNOWN_VERSION = "unknown_version"  # an active version this snapshot does not know
+    NO_ROW = "no_row"  # a bundle the node reports but has no assignment row for
+    SWITCH_FULL = "switch_full"  # a version switch the group commit handed back to the transaction
+
+
 class NumericsMemoMode(StrEnum):
     """How a node avoids repeating a (candidate, stable) pair's deterministic numeric checks
     (``agents.trial_memo``): ``skip`` golden, edge and production checks once passed (the CPU interpreter's

@@ -46,6 +46,7 @@ from controller.enrollment import Registered, Registration
 from controller.errors import Overloaded, first_line
 from controller.switches import FULL, Switch
 from kernelctl import wire
+from kernelctl.vocab import FullHeartbeat
 
 log = logging.getLogger(__name__)
 Recheck = Callable[[], Awaitable[None]]
@@ -198,7 +199,9 @@ class DesiredHub:
                      behind: bool) -> tuple[wire.HeartbeatResponse, int, str]:
         """A heartbeat that writes: a group-committed switch when the snapshot can judge it, else the full
         transaction. An overload never makes a node stale: it is noted alive before the 503."""
-        reported = snap.reported(node, req) if node is not None and not behind else None
+        judged = FullHeartbeat.UNKNOWN_NODE if node is None else FullHeartbeat.BEHIND if behind \
+            else snap.judge(node, req)
+        reported = None if isinstance(judged, FullHeartbeat) else judged
         try:
             if node is not None and reported is not None:
                 now = dt.datetime.now(dt.timezone.utc)
@@ -213,6 +216,9 @@ class DesiredHub:
                     return wire.HeartbeatResponse.model_construct(
                         node_name=req.node_name, desired=snap.desired(view), heartbeat_seconds=hb, server_time=now,
                         generation=mine), mine, "switch"
+            if self.metrics is not None:
+                why = judged if isinstance(judged, FullHeartbeat) else FullHeartbeat.SWITCH_FULL
+                self.metrics.heartbeat_full.labels(why.value).inc()
             reply, gen = await self.writers.slow(self.writers.heartbeat, req, hb)
             return reply, gen, "slow"
         except Overloaded:

@@ -37,6 +37,7 @@ from controller.desired.effects import AssignmentView, Effects, RowFacts, heartb
 from controller.desired.generation import KEEP, Patch, read_generation
 from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
+from kernelctl.vocab import FullHeartbeat
 
 CPU_CUDA = frozenset({"", "none", "unknown", "cpu"})
 EMPTY: Mapping[Any, Any] = MappingProxyType({})
@@ -142,21 +143,30 @@ class Snapshot:
 
     def reported(self, node: NodeView, req: wire.HeartbeatRequest) -> dict[str, int | None] | None:
         """The reported active version (bundle id) per bundle name of the node, when the snapshot can judge
-        the heartbeat; None when it needs the full transaction (an inventory, a node not active or missing a
-        stable version, a version the snapshot does not know, a bundle the node has no row for, a stored
-        ``staged`` shape to rewrite)."""
-        if node.state != "active" or req.inventory is not None or node.needs_sync:
-            return None
+        the heartbeat; None when it needs the full transaction (:meth:`judge` says why)."""
+        judged = self.judge(node, req)
+        return None if isinstance(judged, FullHeartbeat) else judged
+
+    def judge(self, node: NodeView, req: wire.HeartbeatRequest) -> dict[str, int | None] | FullHeartbeat:
+        """:meth:`reported`'s answer, or why the heartbeat needs the full transaction (an inventory, a node not
+        active or missing a stable version, a version the snapshot does not know, a bundle the node has no row
+        for, a stored ``staged`` shape to rewrite)."""
+        if node.state != "active":
+            return FullHeartbeat.NOT_ACTIVE
+        if req.inventory is not None:
+            return FullHeartbeat.INVENTORY
+        if node.needs_sync:
+            return FullHeartbeat.NEEDS_SYNC
         active: dict[str, int | None] = {}
         for r in req.active:
             bid = self.by_ref.get((r.name, r.version, r.digest))
             if bid is None:
-                return None  # a version this snapshot does not know: let the transaction resolve it
+                return FullHeartbeat.UNKNOWN_VERSION  # let the transaction resolve it
             active[r.name] = bid
         for name in set(active) | {r.name for r in req.staged if (r.name, r.version, r.digest) in self.by_ref}:
             row = node.rows.get(name)
             if row is None or row.staged is None:
-                return None
+                return FullHeartbeat.NO_ROW
         return {name: active.get(name) for name in node.rows}
 
     def facts(self, node: NodeView) -> dict[str, RowFacts]:

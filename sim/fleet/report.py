@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelctl.vocab import FullHeartbeat
 from sim.fleet.agents import Fleet, Stats
 from sim.fleet.config import BUNDLE, FleetConfig
 
@@ -41,6 +42,12 @@ def _metric_histogram(text: str, name: str, must: str = "") -> dict[str, Any]:
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets[math.inf if le == "+Inf" else float(le)] += float(line.rsplit(" ", 1)[1])
     return {"count": count, "sum": total, "buckets": dict(sorted(buckets.items()))}
+
+
+def _metric_counter(text: str, name: str, must: str = "") -> float:
+    """A Prometheus counter's value (label sets containing ``must``, summed)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and must in line)
 
 
 def _hist_quantile(h: dict[str, Any], q: float) -> float | None:
@@ -123,6 +130,10 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
             q = _hist_quantile(h, 0.99)
             server[key] = {"count": int(h["count"]), "mean_ms": round(h["sum"] / h["count"] * 1000, 2),
                            "p99_le_ms": None if q is None else q * 1000}
+    full = {reason.value: int(n) for reason in FullHeartbeat
+            if (n := _metric_counter(metrics_text, "kernelctl_heartbeat_full_total", f'reason="{reason.value}"'))}
+    if full:
+        server["full_heartbeat_reasons"] = full
     stale_names = {n["name"] for n in nodes if n.get("state") == "stale"}
     stale_nodes = len(stale_names)
     stopped_names = {a.name for a in fleet.agents if a.stopped}

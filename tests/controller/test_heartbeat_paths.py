@@ -9,6 +9,8 @@
   version it staged meanwhile) is not undone by the stale body.
 * A watch carrying a generation newer than the snapshot waits for the snapshot as part of its hold, measured
   apart (``kernelctl_heartbeat_catch_up_seconds``).
+* Every full transaction is counted with why the snapshot could not answer it
+  (``kernelctl_heartbeat_full_total{reason}``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from controller.errors import Overloaded
 from controller.metrics import Metrics
 from controller.rollouts import promote, start_rollout
 from kernelctl import wire
-from tests.controller.enginekit import T0, Kit, generation, generation_kit
+from kernelctl.vocab import FullHeartbeat
+from tests.controller.enginekit import T0, Kit, generation, generation_kit, inventory
 
 
 @pytest.fixture
@@ -135,8 +138,10 @@ def test_a_burst_of_full_transactions_is_answered_none_refused(kit: Kit, db_url:
         s.execute(update(Node).values(state="stale"))  # every node marked stale, all back at once
     g0 = generation(kit)
 
+    metrics = Metrics()
+
     async def run() -> list[tuple[wire.HeartbeatResponse, float, str]]:
-        hub = DesiredHub(kit.factory, db_url, poll_seconds=60, max_pending_writes=1)
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60, max_pending_writes=1, metrics=metrics)
         await hub.start()
         try:
             return await asyncio.gather(*(hub.heartbeat(wire.HeartbeatRequest(
@@ -151,6 +156,32 @@ def test_a_burst_of_full_transactions_is_answered_none_refused(kit: Kit, db_url:
         assert set(s.scalars(select(Node.state))) == {"active"}
         assert s.scalar(select(Assignment.active_bundle_id).distinct()) is not None
     assert generation(kit) > g0  # each back to active: desired state
+    assert metrics.registry.get_sample_value("kernelctl_heartbeat_full_total", {"reason": "not_active"}) == 40
+
+
+def test_each_full_transaction_is_counted_with_its_reason(kit: Kit, db_url: str) -> None:
+    stable = _stable(kit, 2)
+    metrics = Metrics()
+
+    async def run() -> list[str]:
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60, metrics=metrics)
+        await hub.start()
+        try:
+            kit.nodes(1, prefix="late")  # registered after this replica loaded its snapshot
+            paths = []
+            for req in (wire.HeartbeatRequest(node_name="gpu-000", active=[stable]),  # the snapshot judges it
+                        wire.HeartbeatRequest(node_name="gpu-001", active=[stable],
+                                              inventory=inventory()),
+                        wire.HeartbeatRequest(node_name="late-000")):
+                paths.append((await hub.heartbeat(req, heartbeat_seconds=5))[2])
+            return paths
+        finally:
+            await hub.stop()
+
+    assert asyncio.run(run()) == ["switch", "slow", "slow"]  # the first: its active version recorded
+    counted = {r.value: metrics.registry.get_sample_value("kernelctl_heartbeat_full_total", {"reason": r.value})
+               for r in FullHeartbeat}
+    assert {k: v for k, v in counted.items() if v} == {"inventory": 1.0, "unknown_node": 1.0}
 
 
 def test_a_watch_waits_for_the_snapshot_as_part_of_its_hold(kit: Kit, db_url: str) -> None:
