@@ -190,12 +190,18 @@ def revert_to_stable(session: Session, rollout_id: int, strata: set[str] | None,
 
     Declares the rows it switched (``controller.desired.generation.changed``): replicas patch them into their
     snapshot, so a rollback wakes its canaries' watches without a reload."""
-    stmt = update(Assignment).where(Assignment.rollout_id == rollout_id)
+    where = [Assignment.rollout_id == rollout_id]
     if strata is not None:
         ids = [nid for nid, s in rollout_canaries(session, rollout_id).items() if s in strata]
         if not ids:
             return 0
-        stmt = stmt.where(Assignment.node_id.in_(ids))
+        where.append(Assignment.node_id.in_(ids))
+    # Lock the rows in (node_id, bundle_name) order first, the order every other writer of many assignments
+    # takes (switch batches, the liveness flush): an UPDATE alone locks them in scan order and deadlocks with a
+    # switch batch of the same canaries.
+    session.execute(select(Assignment.node_id).where(*where)
+                    .order_by(Assignment.node_id, Assignment.bundle_name).with_for_update()).all()
+    stmt = update(Assignment).where(*where)
     reverted = session.execute(
         stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, phase=None, phase_at=now,
                     updated_at=now).returning(Assignment.node_id, Assignment.bundle_name, Assignment.stable_bundle_id),

@@ -33,7 +33,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 from controller import ingest, registry
 from controller.api.body import parse_body, too_many
 from controller.auth import Principal, require_node
-from controller.db.engine import DatabaseError, session_scope
+from controller.db.engine import DatabaseError, retry_lock_cycles, session_scope
 from controller.db.models import utcnow
 from controller.desired.generation import Patch
 from controller.errors import Invalid, KernelctlError, first_line
@@ -88,6 +88,7 @@ def _answer(batch: wire.ReportBatch, accepted: int, duplicates: int, refused: di
     return Outcome(reply=reply, reports=len(batch.reports), refused_reasons=[r for r, _m in refused.values()])
 
 
+@retry_lock_cycles
 @retry(retry=retry_if_exception_type(IntegrityError), stop=stop_after_attempt(3), wait=wait_random(0, 0.05),
        reraise=True)
 def _store(factory: sessionmaker[Session], batch: wire.ReportBatch
@@ -99,11 +100,13 @@ def _store(factory: sessionmaker[Session], batch: wire.ReportBatch
         return ingest.ingest_batch(session, node, batch, utcnow())
 
 
+@retry_lock_cycles
 def store_many(factory: sessionmaker[Session], batches: list[wire.ReportBatch]) -> list[Outcome]:
     """Many requests' batches in **one** transaction (``controller.group_commit``: one commit, one WAL flush, for
     every request that arrived while the previous one was written), each in a savepoint of its own: a batch the
     controller refuses (``Invalid``, unknown node) is answered with its error and stores nothing, the others
-    commit. A database failure of the transaction raises (the group commit then writes each batch alone)."""
+    commit. A transaction the database aborted to break a lock cycle is run again; another database failure
+    raises (the group commit then writes each batch alone)."""
     out: list[Outcome] = []
     with session_scope(factory) as session:
         for batch in batches:

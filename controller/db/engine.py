@@ -17,6 +17,7 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 # PostgreSQL's "deadlock detected" and "could not serialize access": the server aborted the transaction to
 # break a lock cycle with another writer (the tick, a liveness flush); the documented remedy is to re-run it.
@@ -26,6 +27,12 @@ RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
 def aborted_by_lock_cycle(exc: BaseException) -> bool:
     """The database aborted this transaction to break a deadlock or a serialization conflict: re-run it."""
     return isinstance(exc, OperationalError) and getattr(exc.orig, "sqlstate", None) in RETRYABLE_SQLSTATES
+
+
+retry_lock_cycles = retry(retry=retry_if_exception(aborted_by_lock_cycle), stop=stop_after_attempt(5),
+                          wait=wait_random(0.01, 0.1), reraise=True)
+"""Decorates a function that runs one whole transaction: re-run it when the database aborted it to break a
+lock cycle (group commits, the full heartbeat, report intake, the liveness flush)."""
 
 
 class DatabaseError(RuntimeError):

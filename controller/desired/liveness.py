@@ -16,9 +16,8 @@ from typing import Any
 
 from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
-from controller.db.engine import aborted_by_lock_cycle
+from controller.db.engine import retry_lock_cycles
 
 # Every writer that locks many rows takes them in one order (nodes by id; assignments by node id, bundle name:
 # ``controller.switches``, the stale sweep, registration), so two replicas or API workers never lock in a cycle.
@@ -33,9 +32,6 @@ PG_LIVENESS = text(
     "UPDATE nodes SET last_heartbeat_at = GREATEST(nodes.last_heartbeat_at, v.at) "
     "FROM unnest(CAST(:ids AS bigint[]), CAST(:ats AS timestamptz[])) AS v(id, at) WHERE nodes.id = v.id")
 SQLITE_LIVENESS = text("UPDATE nodes SET last_heartbeat_at = :at WHERE id = :id AND last_heartbeat_at < :at")
-# a flush the database aborted to break a lock cycle (with the leader's stale marking) is written again
-LOCK_CYCLE_RETRY = retry(retry=retry_if_exception(aborted_by_lock_cycle), stop=stop_after_attempt(5),
-                         wait=wait_random(0.01, 0.1), reraise=True)
 
 
 class LivenessBuffer:
@@ -58,7 +54,7 @@ class LivenessBuffer:
                 if self._staged_written.get(key) != versions:
                     self._staged[key] = versions
 
-    @LOCK_CYCLE_RETRY
+    @retry_lock_cycles  # aborted to break a lock cycle (with the leader's stale marking): written again
     def flush(self) -> int:
         """Write what is buffered (see the module docstring); returns the heartbeat times written."""
         with self._flushing:

@@ -28,11 +28,10 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 from controller import intake
 from controller.auth import Principal
-from controller.db.engine import aborted_by_lock_cycle, session_scope
+from controller.db.engine import retry_lock_cycles, session_scope
 from controller.desired.generation import LAST_GENERATION, Patch, read_generation
 from controller.desired.lanes import CONTROL_THREADS, INGEST_THREADS, Lane
 from controller.enrollment import Registration, register_many
@@ -42,8 +41,6 @@ from controller.registry import heartbeat
 from controller.switches import Switch, Switched, record_switches
 from kernelctl import wire
 
-GROUP_RETRY = retry(retry=retry_if_exception(aborted_by_lock_cycle), stop=stop_after_attempt(5),
-                    wait=wait_random(0.01, 0.1), reraise=True)
 T = TypeVar("T")
 
 
@@ -91,12 +88,12 @@ class Writers:
         """After :meth:`stop` and the hub's last flush: the control lane's threads end."""
         self.control.shutdown()
 
-    @GROUP_RETRY
+    @retry_lock_cycles
     def _write_registrations(self, items: list[Registration]) -> list[Any]:
         with session_scope(self.factory) as session:
             return register_many(session, items)
 
-    @GROUP_RETRY
+    @retry_lock_cycles
     def _write_switches(self, items: list[Switch]) -> list[tuple[Any, int | None]]:
         with session_scope(self.factory) as session:
             results = record_switches(session, items)
@@ -139,6 +136,7 @@ class Writers:
                 self.on_commit(generation, patch)
         return out
 
+    @retry_lock_cycles
     def heartbeat(self, req: wire.HeartbeatRequest, heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int]:
         """(worker thread) ``registry.heartbeat`` in one transaction; the reply and a generation covering it."""
         with session_scope(self.factory) as session:

@@ -8,7 +8,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,12 +17,10 @@ from typer.testing import CliRunner
 
 from cli.app import app as cli_app
 from controller.leader import _conninfo, lock_key
-from tests import dbutil
 from tests.controller.serverutil import (
     ControllerProcess,
     TestBundles,
     Zygote,
-    build_test_bundles,
     register_node,
 )
 
@@ -42,17 +39,6 @@ def test_sqlite_refuses_several_workers_before_anything_starts(tmp_path: Path,
     res = CliRunner().invoke(cli_app, ["serve", "--db", f"sqlite:///{db}", "--port", "0"])
     assert res.exit_code == 2 and "3 API workers need PostgreSQL" in res.output, res.output
     assert not db.exists()
-
-
-@pytest.fixture
-def pg_url(tmp_path: Path) -> Iterator[str]:
-    with dbutil.fresh_database("postgres", tmp_path) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("workers-bundles"), versions=("1.0.0",))
 
 
 def _pinned_clients(ctl: ControllerProcess, tokens: list[str]) -> list[tuple[int, httpx.Client]]:
@@ -78,12 +64,12 @@ def _heartbeat(c: httpx.Client, name: str, **kw: object) -> dict:
 
 
 @pytest.mark.postgres
-def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Path, bundles: TestBundles,
+def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Path, stable_bundle: TestBundles,
                                                       zygote: Zygote) -> None:
     # the poll fallback far away: only LISTEN/NOTIFY can wake the other worker's watch within the test's limit
     env = {"KERNELCTL_API_WORKERS": str(WORKERS), "KERNELCTL_WATCH_POLL_SECONDS": "60",
            "KERNELCTL_KEEPALIVE_TIMEOUT_SECONDS": "120"}
-    ctl = ControllerProcess(pg_url, tmp_path, trusted_keys_dir=bundles.keys_dir, extra_env=env, zygote=zygote)
+    ctl = ControllerProcess(pg_url, tmp_path, trusted_keys_dir=stable_bundle.keys_dir, extra_env=env, zygote=zygote)
     ctl.start(wait_leader=True)
     with ctl:
         names = [f"w-{i}" for i in range(WORKERS)]
@@ -122,7 +108,7 @@ def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Pat
         time.sleep(1.0)
         assert all(th.is_alive() for th in threads)  # held: nothing changed yet
         with ctl.client("operator") as op:
-            assert op.post("/v1/bundles", content=bundles.files["1.0.0"].read_bytes()).status_code == 201
+            assert op.post("/v1/bundles", content=stable_bundle.files["1.0.0"].read_bytes()).status_code == 201
             ro = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "reason": "baseline", "plan": {
                 "steps": [{"percent": 100, "bake_seconds": 0, "min_samples": 1}]}}).json()
             r = op.post(f"/v1/rollouts/{ro['id']}/promote", json={"full": True, "reason": "baseline"})

@@ -101,3 +101,44 @@ def test_concurrent_requests_share_one_commit_and_a_refused_one_stores_nothing(k
     assert isinstance(bad.error, Invalid) and "rollout 999 does not exist" in str(bad.error)
     with kit.tx() as s:
         assert s.scalar(select(func.count()).select_from(Report)) == 12
+
+
+def test_a_batch_the_database_aborted_to_break_a_lock_cycle_is_written_again(kit: Kit, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Threads mode: the group commit's transaction aborted once with PostgreSQL's "deadlock detected" (a rollback
+    on the leader locking the same canaries, issue 28's run with a CPU hog) is run again: every report is
+    stored and answered, none refused with 503."""
+    import psycopg.errors
+    from sqlalchemy.exc import OperationalError
+
+    from controller import ingest
+
+    rid, stable, cand = _stable_and_candidate(kit, nodes=1)
+    with kit.tx() as s:
+        n = kit.node(s, "gpu-000")
+        reports = [kit.report(n, rid, cand, stable, key=f"cycle-{i:04d}") for i in range(4)]
+    me = Principal(1, "node:gpu-000", "agent", "gpu-000")
+    real, aborted = ingest.ingest_batch, []
+
+    def once_aborted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not aborted:
+            aborted.append(1)
+            raise OperationalError("UPDATE assignments ...", {}, psycopg.errors.DeadlockDetected("deadlock detected"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ingest, "ingest_batch", once_aborted)
+
+    async def scenario() -> list:
+        writers = Writers(kit.factory)
+        writers.start()
+        try:
+            return await asyncio.gather(*(writers.ingest(wire.ReportBatch(node_name="gpu-000", reports=[r])
+                                                         .model_dump_json().encode(), True, me) for r in reports))
+        finally:
+            await writers.stop()
+            writers.close()
+
+    outs = asyncio.run(scenario())
+    assert aborted == [1]
+    assert [o.error for o in outs] == [None] * 4 and sum(o.reply.accepted for o in outs) == 4
+    with kit.tx() as s:
+        assert s.scalar(select(func.count()).select_from(Report)) == 4

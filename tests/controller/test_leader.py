@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,12 +17,6 @@ from tests.controller.serverutil import ControllerProcess, make_tokens
 
 pytestmark = pytest.mark.postgres
 TAKEOVER_LIMIT_S = 15.0
-
-
-@pytest.fixture
-def pg_url(tmp_path: Path) -> Iterator[str]:
-    with dbutil.fresh_database("postgres", tmp_path) as url:
-        yield url
 
 
 def test_sqlite_controller_always_leads(tmp_path: Path) -> None:

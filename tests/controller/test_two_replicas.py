@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,22 +16,10 @@ import psycopg
 import pytest
 
 from controller.leader import _conninfo
-from tests import dbutil
-from tests.controller.serverutil import ControllerProcess, TestBundles, build_test_bundles, make_tokens
+from tests.controller.serverutil import ControllerProcess, TestBundles, make_tokens
 from tests.controller.test_redteam import PLAN, node_token, push
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def pg_url(tmp_path: Path) -> Iterator[str]:
-    with dbutil.fresh_database("postgres", tmp_path) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> TestBundles:
-    return build_test_bundles(tmp_path_factory.mktemp("replica-bundles"), versions=("1.0.0",))
 
 
 def _wait(cond, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
@@ -50,13 +37,13 @@ def _waiting_on_locks(conn: psycopg.Connection) -> int:
 
 
 def test_rollback_on_one_replica_wins_over_a_promote_queued_first_on_another(
-        pg_url: str, tmp_path: Path, bundles: TestBundles) -> None:
+        pg_url: str, tmp_path: Path, stable_bundle: TestBundles) -> None:
     tokens = make_tokens()
-    kw = {"tokens": tokens, "trusted_keys_dir": bundles.keys_dir}
+    kw = {"tokens": tokens, "trusted_keys_dir": stable_bundle.keys_dir}
     with ControllerProcess(pg_url, tmp_path, name="a", **kw) as a, \
             ControllerProcess(pg_url, tmp_path, name="b", **kw) as b:
         node_token(a, "gpu-a")
-        push(a, bundles, "1.0.0")
+        push(a, stable_bundle, "1.0.0")
         with a.client("operator") as op:
             r = op.post("/v1/rollouts", json={"bundle": "llm-fused@1.0.0", "plan": PLAN, "reason": "two replicas"})
             assert r.status_code == 201, r.text
