@@ -35,6 +35,14 @@ Versions = dict[str, tuple[Any, dict[str, Any]]]  # op name -> (KernelOp, launch
 def time_cells(plan: Plan, stable: Versions, cand: Versions, *, device: Any, seed: int
                ) -> tuple[list[dict[str, Any]], list[str]]:
     """Every cell of ``plan`` whose op both versions have: (CellLatency documents, notes for the report)."""
+    from kernelpack.harness.bench import gc_paused
+
+    with gc_paused():  # one collection for the whole phase, not one per cell
+        return _time_cells(plan, stable, cand, device=device, seed=seed)
+
+
+def _time_cells(plan: Plan, stable: Versions, cand: Versions, *, device: Any, seed: int
+                ) -> tuple[list[dict[str, Any]], list[str]]:
     from kernelpack.harness.bench import arm_summary, drop_contended, paired_calls
     from kernelpack.kernels.spec import DomainError
 

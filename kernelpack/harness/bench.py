@@ -173,17 +173,28 @@ def interleaved_calls(
     cell gets fewer calls, never fewer than ``min_windows * 2 * quads`` per arm)."""
     if windows < 1 or quads < 1:
         raise HarnessError(f"windows and quads must be >= 1, got {windows} and {quads}")
-    # no garbage collection inside the timed calls (as timeit): a collection is triggered by the allocation
-    # count, so it falls on the same call of the same ABBA position trial after trial, always one arm's
-    gc_was_enabled = gc.isenabled()
+    with gc_paused():
+        return _interleaved(run_a, run_b, device=device, windows=windows, quads=quads, warmup_calls=warmup_calls,
+                            timer=timer, budget_s=budget_s, min_windows=min_windows, seed=seed)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside timed calls (as timeit): a collection is triggered by the allocation count,
+    so it would fall on the same call of the same ABBA position trial after trial, always one arm's. One full
+    collection first, then the collector off until the block ends; a block inside another collects nothing
+    (the outer one did). The trial's latency phase pauses it once for all its cells: a full collection in an
+    agent's trial process (torch, Triton, the bundles: ~200,000 objects) took 0.3-0.7 s on this CPU machine,
+    and it ran once per cell (45 cells in gpu-fleet's profile)."""
+    if not gc.isenabled():
+        yield
+        return
     gc.collect()
     gc.disable()
     try:
-        return _interleaved(run_a, run_b, device=device, windows=windows, quads=quads, warmup_calls=warmup_calls,
-                            timer=timer, budget_s=budget_s, min_windows=min_windows, seed=seed)
+        yield
     finally:
-        if gc_was_enabled:
-            gc.enable()
+        gc.enable()
 
 
 def _interleaved(run_a: Callable[[], object], run_b: Callable[[], object], *, device: str | torch.device,

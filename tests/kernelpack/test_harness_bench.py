@@ -278,3 +278,28 @@ def test_counted_launches_match_each_real_op_declaration(mod):
     dev = torch.device(DEVICE)
     inputs = op.make_inputs(dict(shape), DTYPES[dtype], dev, make_generator(dev, 0))
     assert launches_per_call(op, {}, inputs) == op.launches_per_call >= 1
+
+
+def test_the_latency_phase_collects_garbage_once_not_once_per_cell():
+    """A full collection in an agent's trial process takes 0.3-0.7 s (torch, Triton and the bundles loaded); the
+    trial's latency phase runs one for all its cells (``gc_paused``), the collector off until the phase ends."""
+    import gc
+
+    from agents.trial_latency import time_cells
+
+    ops = {"axpy": (make_axpy(), {})}
+    plan = [("axpy", "fp32", [{"n": 16}, {"n": 32}, {"n": 64}], None)]
+    collections: list[int] = []
+
+    def counted(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(counted)
+    try:
+        cells, _notes = time_cells(plan, ops, dict(ops), device=torch.device(DEVICE), seed=0)
+    finally:
+        gc.callbacks.remove(counted)
+    # three cells timed, one full collection (a young-generation one may follow once the collector is back on)
+    assert len(cells) == 3 and collections[0] == 2 and collections.count(2) == 1
+    assert gc.isenabled()
