@@ -253,8 +253,13 @@ def _ref(b: Bundle) -> wire.BundleRef:
     return wire.BundleRef(name=b.name, version=b.version, digest=b.digest)
 
 
+def is_cpu(cuda_version: str | None, gpu_name: str) -> bool:
+    """A node without a GPU (the one rule: the stored node, the snapshot and a new node's view use it)."""
+    return str(cuda_version).lower() in CPU_CUDA or gpu_name.lower().startswith("cpu")
+
+
 def is_cpu_node(node: Node) -> bool:
-    return str(node.cuda_version).lower() in CPU_CUDA or node.gpu_name.lower().startswith("cpu")
+    return is_cpu(node.cuda_version, node.gpu_name)
 
 
 def trial_shapes(manifest: dict[str, Any], plan: PlanSpec, *, cpu: bool) -> tuple[list[int], list[int]]:

@@ -97,6 +97,7 @@ class DesiredHub:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.store.stop()
         await self.writers.stop()
         with contextlib.suppress(Exception):
             await asyncio.get_running_loop().run_in_executor(self.control, self.liveness.flush)
@@ -142,6 +143,8 @@ class DesiredHub:
             if self.metrics is not None:
                 self.metrics.heartbeat_catch_up.labels(str(watch).lower()).observe(waited)
             held += waited if watch else 0.0
+        if req.node_name not in store.snapshot.nodes:
+            await store.learn(req.node_name)  # registered through another replica: one batched read, no transaction
         path = "fast"
         deadline = time.monotonic() + min(req.wait_seconds, 600.0)
         woken = False  # the body's effects were judged (and written) at arrival: a held watch never writes again

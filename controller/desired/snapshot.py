@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy import Text, cast, select
+from sqlalchemy import Text, cast, exists, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.assignments import build_desired
+from controller.assignments import build_desired, is_cpu
 from controller.compat import TargetInfo, node_rejection, stratum_key
 from controller.db.models import (
     Assignment,
@@ -39,7 +39,6 @@ from controller.plan import PlanSpec, load_plan
 from kernelctl import wire
 from kernelctl.vocab import FullHeartbeat
 
-CPU_CUDA = frozenset({"", "none", "unknown", "cpu"})
 EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
@@ -194,9 +193,28 @@ class Snapshot:
 
 def new_node_view(node_id: int, name: str, inventory: wire.Inventory, snap: Snapshot) -> NodeView:
     """The view of a node registered after ``snap`` was loaded (no assignments yet)."""
-    stratum = stratum_key(inventory.arch, inventory.driver_version, inventory.triton_version)
-    cpu = inventory.cuda_version.lower() in CPU_CUDA or inventory.gpu_name.lower().startswith("cpu")
-    return NodeView(node_id, name, stratum, cpu, "active", EMPTY, needs_sync=stratum in snap.stable_strata)
+    return _unassigned(node_id, name, inventory.arch, inventory.driver_version, inventory.cuda_version,
+                       inventory.triton_version, inventory.gpu_name, snap)
+
+
+def _unassigned(node_id: int, name: str, arch: str, driver: str, cuda: str, triton: str, gpu: str,
+                snap: Snapshot) -> NodeView:
+    stratum = stratum_key(arch, driver, triton)
+    return NodeView(node_id, name, stratum, is_cpu(cuda, gpu), "active", EMPTY,
+                    needs_sync=stratum in snap.stable_strata)
+
+
+def load_unassigned(factory: sessionmaker[Session], names: list[str], snap: Snapshot) -> dict[str, NodeView]:
+    """(worker thread) The named nodes that are active and have no assignment row yet (registered through
+    another replica since ``snap`` was loaded), viewed as the registering replica added them; a node with rows is
+    left to the reload (its rows may be newer than ``snap``). One statement for every name."""
+    with factory() as session:
+        found = session.execute(select(Node.id, Node.name, Node.arch, Node.driver_version, Node.cuda_version,
+                                       Node.triton_version, Node.gpu_name)
+                                .where(Node.name.in_(names), Node.state == "active",
+                                       ~exists().where(Assignment.node_id == Node.id))).all()
+        session.rollback()
+    return {row.name: _unassigned(*row, snap) for row in found}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,7 +284,7 @@ def load_snapshot(factory: sessionmaker[Session]) -> Snapshot:
                 Node.id, Node.name, Node.arch, Node.driver_version, Node.cuda_version, Node.triton_version,
                 Node.torch_version, Node.gpu_name, Node.state)):
             stratum = stratum_key(arch, drv, triton)
-            cpu = str(cuda).lower() in CPU_CUDA or gpu.lower().startswith("cpu")
+            cpu = is_cpu(cuda, gpu)
             mine = rows.get(nid, {})
             needs_sync = False
             for bname, bid in stables.get(stratum, []):

@@ -21,7 +21,7 @@ import time
 import pytest
 from sqlalchemy import select, text, update
 
-from controller.db.models import Activation, Assignment, Node
+from controller.db.models import Activation, Assignment, Bundle, Node
 from controller.desired.effects import RowFacts, heartbeat_effects
 from controller.desired.hub import DesiredHub
 from controller.errors import Overloaded
@@ -159,31 +159,6 @@ def test_a_burst_of_full_transactions_is_answered_none_refused(kit: Kit, db_url:
     assert metrics.registry.get_sample_value("kernelctl_heartbeat_full_total", {"reason": "not_active"}) == 40
 
 
-def test_each_full_transaction_is_counted_with_its_reason(kit: Kit, db_url: str) -> None:
-    stable = _stable(kit, 2)
-    metrics = Metrics()
-
-    async def run() -> list[str]:
-        hub = DesiredHub(kit.factory, db_url, poll_seconds=60, metrics=metrics)
-        await hub.start()
-        try:
-            kit.nodes(1, prefix="late")  # registered after this replica loaded its snapshot
-            paths = []
-            for req in (wire.HeartbeatRequest(node_name="gpu-000", active=[stable]),  # the snapshot judges it
-                        wire.HeartbeatRequest(node_name="gpu-001", active=[stable],
-                                              inventory=inventory()),
-                        wire.HeartbeatRequest(node_name="late-000")):
-                paths.append((await hub.heartbeat(req, heartbeat_seconds=5))[2])
-            return paths
-        finally:
-            await hub.stop()
-
-    assert asyncio.run(run()) == ["switch", "slow", "slow"]  # the first: its active version recorded
-    counted = {r.value: metrics.registry.get_sample_value("kernelctl_heartbeat_full_total", {"reason": r.value})
-               for r in FullHeartbeat}
-    assert {k: v for k, v in counted.items() if v} == {"inventory": 1.0, "unknown_node": 1.0}
-
-
 def test_a_watch_waits_for_the_snapshot_as_part_of_its_hold(kit: Kit, db_url: str) -> None:
     _stable(kit, 1)
     metrics = Metrics()
@@ -207,3 +182,39 @@ def test_a_watch_waits_for_the_snapshot_as_part_of_its_hold(kit: Kit, db_url: st
     assert path == "fast" and reply.generation == g  # the node's desired state did not move
     assert took >= 0.5 and took - held < 0.25  # the catch-up and the watch: both held
     assert metrics.registry.get_sample_value("kernelctl_heartbeat_catch_up_seconds_count", {"watch": "true"}) == 1
+
+
+def test_each_full_transaction_is_counted_with_its_reason(kit: Kit, db_url: str) -> None:
+    """And a node registered through another replica after this one loaded its snapshot is learned from one
+    read (no full transaction) while it has no assignment; one with an assignment still takes the transaction."""
+    stable = _stable(kit, 2)
+    metrics = Metrics()
+
+    async def run() -> tuple[list[str], bool]:
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60, metrics=metrics)
+        await hub.start()
+        try:
+            # registered elsewhere after this replica loaded its snapshot, in a stratum with no stable version yet
+            # (in one with a stable version a new node's first heartbeat writes its assignment: needs_sync)
+            kit.nodes(2, prefix="late", arch="sm_80")
+            with kit.tx() as s:  # late-001 already has an assignment this replica was not told of
+                nid = s.scalar(select(Node.id).where(Node.name == "late-001"))
+                bid = s.scalar(select(Bundle.id).where(Bundle.version == "1.0.0"))
+                s.add(Assignment(node_id=nid, bundle_name="llm-fused", desired_bundle_id=bid, stable_bundle_id=bid,
+                                 staged={"versions": []}))
+            paths = []
+            # (the full transactions last: one may move the generation, and the reload would bring both late nodes)
+            for req in (wire.HeartbeatRequest(node_name="gpu-000", active=[stable]),  # the snapshot judges it
+                        wire.HeartbeatRequest(node_name="late-000"),
+                        wire.HeartbeatRequest(node_name="late-001"),
+                        wire.HeartbeatRequest(node_name="gpu-001", active=[stable], inventory=inventory())):
+                paths.append((await hub.heartbeat(req, heartbeat_seconds=5))[2])
+            return paths, "late-000" in hub.snapshot.nodes
+        finally:
+            await hub.stop()
+
+    paths, learned = asyncio.run(run())
+    assert paths == ["switch", "fast", "slow", "slow"] and learned  # the first: its active version recorded
+    counted = {r.value: metrics.registry.get_sample_value("kernelctl_heartbeat_full_total", {"reason": r.value})
+               for r in FullHeartbeat}
+    assert {k: v for k, v in counted.items() if v} == {"inventory": 1.0, "unknown_node": 1.0}
