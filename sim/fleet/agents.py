@@ -84,7 +84,7 @@ class Stats:
         self.back_to_stable: dict[str, float] = {}  # node -> monotonic time it switched back to stable
         self.back_to_stable_wall: dict[str, float] = {}  # the same, wall clock (vs the controller's verdict time)
         self.canary_strata: dict[str, str] = {}  # node -> stratum, every node that ever ran the candidate
-        self.registered_at: list[float] = []  # monotonic
+        self.registered_at: dict[str, float] = {}  # node -> its first registration (monotonic)
 
         self.locked_out: set[str] = set()  # nodes answered 409 at registration (already registered, not theirs)
         self.lost_replies = 0  # registration replies dropped on purpose
@@ -223,7 +223,7 @@ class Fleet:
                     self.stats.lost_replies += 1  # committed by the controller, never heard by the agent
                 else:
                     a.token = wire.RegisterResponse.model_validate_json(r.content).node_token
-                    self.stats.registered_at.append(time.monotonic())
+                    self.stats.registered_at.setdefault(a.name, time.monotonic())  # a re-registration: not again
                     return
             elif r is not None and r.status_code == 409:
                 self.stats.locked_out.add(a.name)

@@ -91,7 +91,7 @@ def summarise(cfg: FleetConfig, fleet: Fleet, stats: Stats, detail: dict[str, An
     decided = decision_times(detail)
     ttr_decision = [stats.back_to_stable_wall[n] - decided[s] for n, s in stats.canary_strata.items()
                     if s in decided and n in stats.back_to_stable_wall]
-    reg = sorted(stats.registered_at)
+    reg = sorted(stats.registered_at.values())
     span = (stats.last_report_at or 0) - (stats.first_report_at or 0)
     tick = _metric_histogram(metrics_text, "kernelctl_tick_duration_seconds")
     http = {ep: {"count": len(v), "p50_ms": round(pct(v, 50) * 1000, 2), "p99_ms": round(pct(v, 99) * 1000, 2),
