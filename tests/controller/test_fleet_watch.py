@@ -260,13 +260,26 @@ def test_liveness_and_staged_versions_are_written_in_one_batch(kit: Kit, db_url:
     assert buffer.flush() == 1  # the time only: the staged versions were already written by this replica
 
 
+def _row_locked(kit: Kit, column: sa.ColumnElement[int], nid: int) -> bool:
+    """Whether another transaction holds the row(s) whose ``column`` is ``nid`` (PostgreSQL ``NOWAIT`` probe)."""
+    from sqlalchemy.exc import OperationalError
+
+    with kit.factory() as probe:
+        try:
+            probe.execute(select(column).where(column == nid).with_for_update(nowait=True))
+        except OperationalError:
+            return True
+        finally:
+            probe.rollback()
+        return False
+
+
 @pytest.mark.parametrize("db_backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_writers_of_many_nodes_lock_them_in_id_order(kit: Kit) -> None:
     """The liveness flush (every API worker and replica has one) and the leader's stale sweep take node rows in
     ascending id order whatever order the heartbeats came in, so two of them never lock in a cycle (with two API
     workers such deadlocks aborted whole batches). Shown by holding a middle row: the writer waits there having
     locked every lower id and no higher one."""
-    from sqlalchemy.exc import OperationalError
 
     from controller.desired.liveness import LivenessBuffer
     from controller.tick import mark_stale
@@ -278,14 +291,7 @@ def test_writers_of_many_nodes_lock_them_in_id_order(kit: Kit) -> None:
         s.execute(update(Node).where(Node.id.in_(ids[:2])).values(last_heartbeat_at=T0))
 
     def locked(nid: int) -> bool:
-        with kit.factory() as probe:
-            try:
-                probe.execute(select(Node.id).where(Node.id == nid).with_for_update(nowait=True))
-            except OperationalError:
-                return True
-            finally:
-                probe.rollback()
-            return False
+        return _row_locked(kit, Node.id, nid)
 
     def stale_sweep() -> list[str]:
         with kit.tx() as s:
@@ -310,3 +316,50 @@ def test_writers_of_many_nodes_lock_them_in_id_order(kit: Kit) -> None:
                 pool.shutdown(wait=True)
             got = fut.result(timeout=20)
         assert (got if isinstance(got, int) else len(got)) == expect
+
+
+@pytest.mark.parametrize("db_backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_a_rollback_of_one_stratum_locks_every_canary_of_the_rollout_in_id_order(kit: Kit) -> None:
+    """The tick rolls strata back one call at a time in one transaction; locking only each stratum's rows (in
+    order) took the rollout's rows out of order overall, and deadlocked with the liveness flush three times in one
+    10,000-node run. A rollback locks every canary row of the rollout in (node id, bundle) order first: held at a
+    row of another stratum, it waits there, having locked the lower ids and none of its own stratum's higher ones."""
+
+    from controller.assignments import revert_to_stable, rollout_canaries
+    from controller.db.models import Assignment, Bundle
+
+    rid, stable, cand = _stable_and_candidate(kit, nodes=3)  # gpu-000..002: canaries in the sm_90 stratum
+    kit.nodes(3, prefix="b", arch="sm_80")  # higher ids, another stratum
+    with kit.tx() as s:
+        b_ids = sorted(s.scalars(select(Node.id).where(Node.name.like("b-%"))).all())
+        sid, cid = (s.scalar(select(Bundle.id).where(Bundle.digest == ref.digest)) for ref in (stable, cand))
+        s.add_all(Assignment(node_id=n, bundle_name="llm-fused", desired_bundle_id=cid, stable_bundle_id=sid,
+                             rollout_id=rid, phase="staged", staged={"versions": []}) for n in b_ids)
+    with kit.tx() as s:
+        canaries = rollout_canaries(s, rid)
+    a_ids = sorted(n for n, st in canaries.items() if st.startswith("sm_90"))
+    b_stratum = canaries[b_ids[0]]
+    assert len(a_ids) == 3 and all(canaries[n] == b_stratum for n in b_ids) and max(a_ids) < min(b_ids)
+
+    def locked(nid: int) -> bool:
+        return _row_locked(kit, Assignment.node_id, nid)
+
+    def rollback_b() -> int:
+        with kit.tx() as s:
+            return revert_to_stable(s, rid, {b_stratum}, now=T0)
+
+    pool = cf.ThreadPoolExecutor(1)
+    with kit.factory() as holder:
+        holder.execute(select(Assignment.node_id).where(Assignment.node_id == a_ids[1]).with_for_update())
+        fut = pool.submit(rollback_b)
+        try:
+            deadline = time.monotonic() + 10
+            while not locked(a_ids[0]):
+                assert time.monotonic() < deadline, "the rollback did not lock the rollout's lowest id first"
+                assert not fut.done(), "the rollback took only its own stratum's rows"
+                time.sleep(0.05)
+            assert not fut.done() and not any(locked(n) for n in b_ids)
+        finally:
+            holder.rollback()
+            pool.shutdown(wait=True)
+    assert fut.result(timeout=20) == 3
