@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 XSS_GPU = '<img src=x onerror="window.__kctl_xss=1">GPU'
 STEP = {"bake_seconds": 3600, "min_samples": 5, "deadline_seconds": 7200}
 PLAN_A = {  # step 1 advances on its own (short bake); the later steps hold until an operator promotes
-    "steps": [{"nodes": 1, "bake_seconds": 5, "min_samples": 5, "deadline_seconds": 600},
+    # 8 samples: the page must show step 1 holding before it advances (with 5, faster CPU trials advanced it
+    # before the test read the step once)
+    "steps": [{"nodes": 1, "bake_seconds": 5, "min_samples": 8, "deadline_seconds": 600},
               {"percent": 50, **STEP}, {"percent": 100, **STEP}],
     "latency_margin": 0.10, "max_fleet_share": 1.0, "max_label_share": 1.0,
     "trial_interval_seconds": 0, "hold_verdict_seconds": 1,
