@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from controller.db.models import Activation, Bundle, Event, Node
+from controller.db.models import Activation, Bundle, Event, Node, as_utc
 from controller.paging import PAGE_MAX, PageError, after, check_limit, decode_cursor, encode_cursor
 from kernelctl.vocab import shown_steps
 
@@ -86,12 +86,6 @@ def parse_time(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
     return parsed
 
 
-def _as_utc(value: dt.datetime | None) -> dt.datetime | None:
-    if value is None:
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-
-
 def query_events(session: Session, filters: AuditFilters) -> list[Event]:
     """Events matching every given filter, newest first, at most ``filters.limit`` (up to
     ``AUDIT_MAX_LIMIT``), read page by page."""
@@ -136,9 +130,9 @@ def events_page(session: Session, filters: AuditFilters, cursor: str | None = No
         else:
             stmt = stmt.where(Event.action == action)
     if filters.since:
-        stmt = stmt.where(Event.at >= _as_utc(filters.since))
+        stmt = stmt.where(Event.at >= as_utc(filters.since))
     if filters.until:
-        stmt = stmt.where(Event.at <= _as_utc(filters.until))
+        stmt = stmt.where(Event.at <= as_utc(filters.until))
     if key is not None:
         stmt = stmt.where(after((Event.at, Event.id), key, descending=True))
     stmt = stmt.order_by(Event.at.desc(), Event.id.desc()).limit(filters.limit + 1)
@@ -146,7 +140,7 @@ def events_page(session: Session, filters: AuditFilters, cursor: str | None = No
     if len(rows) <= filters.limit:
         return rows, None
     last = rows[filters.limit - 1]
-    return rows[:filters.limit], encode_cursor(CURSOR_KIND, _as_utc(last.at), last.id)
+    return rows[:filters.limit], encode_cursor(CURSOR_KIND, as_utc(last.at), last.id)
 
 
 def _require_node(session: Session, name: str) -> Node:
@@ -159,7 +153,7 @@ def _require_node(session: Session, name: str) -> Node:
 def active_at(session: Session, node_name: str, at: dt.datetime) -> list[dict[str, Any]]:
     """Which bundle versions served on ``node_name`` at time ``at`` (one row per bundle name)."""
     node = _require_node(session, node_name)
-    at = _as_utc(at)  # type: ignore[assignment]
+    at = as_utc(at)
     stmt = (
         select(Activation, Bundle)
         .join(Bundle, Bundle.id == Activation.bundle_id)
@@ -206,7 +200,7 @@ def nodes_that_ran(session: Session, bundle_ref: str) -> list[dict[str, Any]]:
 def event_to_dict(event: Event) -> dict[str, Any]:
     return {
         "id": event.id,
-        "at": _as_utc(event.at).isoformat() if event.at else None,  # type: ignore[union-attr]
+        "at": as_utc(event.at).isoformat() if event.at else None,  # type: ignore[union-attr]
         "actor": event.actor,
         "action": event.action,
         "subject": event.subject,

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from controller.changelog import record_event
-from controller.db.models import ApiToken
+from controller.db.models import ApiToken, as_utc, utcnow
 
 ROLES = ("agent", "operator", "viewer")
 TOKEN_PREFIX = "kctl_"
@@ -77,12 +77,13 @@ def _check_name(name: str) -> None:
 
 
 def _add_token(session: Session, role: str, name: str, node: str | None, token: str, actor: str,
-               expires_at: dt.datetime | None = None) -> ApiToken:
+               expires_at: dt.datetime | None = None, created_at: dt.datetime | None = None) -> ApiToken:
     _check_role(role)
     _check_name(name)
     if node is not None and role != "agent":
         raise ValueError(f"only agent tokens can be bound to a node (got role {role!r} with node {node!r})")
-    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token), expires_at=expires_at)
+    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token), expires_at=expires_at,
+                   created_at=created_at or utcnow())
     session.add(row)
     session.flush()
     record_event(
@@ -115,11 +116,13 @@ def create_token(session: Session, role: str, name: str, node: str | None = None
 
 
 def issue_node_token(session: Session, node: str, *, actor: str, name: str | None = None,
-                     expires_at: dt.datetime | None = None, minted_by: int | None = None) -> str:
+                     expires_at: dt.datetime | None = None, minted_by: int | None = None,
+                     created_at: dt.datetime | None = None) -> str:
     """A fresh token for ``node``; every earlier unrevoked token of that node is revoked in the same transaction.
 
     ``minted_by``: the id of the token that asked for it (a registration): the new token expires no later
-    than that one (:func:`minted_expiry`). Returns the plaintext. Callers that authenticate through a cache
+    than that one (:func:`minted_expiry`). ``created_at``: for a registration, when its request arrived (a
+    later registration's token is never revoked by an earlier one answered late). Returns the plaintext. Callers that authenticate through a cache
     must also drop the node's cached principals (the API does; other replicas see the revocation within the
     auth cache time).
     """
@@ -127,7 +130,7 @@ def issue_node_token(session: Session, node: str, *, actor: str, name: str | Non
         expires_at = minted_expiry(session, [minted_by], expires_at)[minted_by]
     revoked = revoke_node_tokens(session, node, actor=actor, reason="superseded by a new node token")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at)
+    row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at, created_at)
     if revoked:
         record_event(session, actor=actor, action="token.node_reissued", subject=f"token:{row.id}", node=node,
                      payload={"revoked": revoked})
@@ -142,7 +145,7 @@ def minted_expiry(session: Session | Connection, minted_by: list[int], expires_a
     own = dict(session.execute(select(ApiToken.id, ApiToken.expires_at).where(ApiToken.id.in_(set(minted_by)))).all())
     out: dict[int, dt.datetime | None] = {}
     for tid in minted_by:
-        limits = [_as_utc(t) for t in (own.get(tid), expires_at) if t is not None]
+        limits = [as_utc(t) for t in (own.get(tid), expires_at) if t is not None]
         out[tid] = min(limits) if limits else None
     return out
 
@@ -156,21 +159,15 @@ def revoke_node_tokens(session: Session, node: str, *, actor: str, reason: str) 
     return [r.id for r in rows]
 
 
-def _as_utc(t: dt.datetime) -> dt.datetime:
-    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t
-
-
 def list_tokens(session: Session, *, include_revoked: bool = False) -> list[dict[str, object]]:
     """Every token (without its hash): id, name, role, node, created, expires, revoked, state."""
-    from controller.db.models import utcnow
-
     now = utcnow()
     stmt = select(ApiToken).order_by(ApiToken.id)
     if not include_revoked:
         stmt = stmt.where(ApiToken.revoked_at.is_(None))
     out: list[dict[str, object]] = []
     for t in session.scalars(stmt):
-        expired = t.expires_at is not None and _as_utc(t.expires_at) <= now
+        expired = t.expires_at is not None and as_utc(t.expires_at) <= now
         out.append({"id": t.id, "name": t.name, "role": t.role, "node": t.node_name,
                     "created_at": t.created_at, "expires_at": t.expires_at, "revoked_at": t.revoked_at,
                     "state": "revoked" if t.revoked_at else "expired" if expired else "valid"})
@@ -187,11 +184,8 @@ def authenticate(session: Session, token: str | None) -> Principal:
         raise AuthError("unknown token")
     if row.revoked_at is not None:
         raise AuthError("token has been revoked")
-    if row.expires_at is not None:
-        from controller.db.models import utcnow
-
-        if _as_utc(row.expires_at) <= utcnow():
-            raise AuthError("token has expired")
+    if row.expires_at is not None and as_utc(row.expires_at) <= utcnow():
+        raise AuthError("token has expired")
     return Principal(token_id=row.id, name=row.name, role=row.role, node=row.node_name)
 
 
@@ -270,7 +264,6 @@ def load_bootstrap_tokens(session: Session, path: Path) -> int:
 
 def revoke_token(session: Session, token_id: int, *, actor: str, reason: str | None = None) -> bool:
     """Revoke a token by id (idempotent: False when it already was); LookupError for an unknown id."""
-    from controller.db.models import utcnow
 
     row = session.get(ApiToken, token_id)
     if row is None:

@@ -20,17 +20,17 @@ import datetime as dt
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from controller.auth import TOKEN_PREFIX, hash_token, issue_node_token, minted_expiry
 from controller.changelog import event_row, record_event
 from controller.db.fit import row_problem
-from controller.db.models import ApiToken, Event, Node, utcnow
+from controller.db.models import ApiToken, Event, Node, as_utc, utcnow
 from controller.desired.generation import changed
 from controller.errors import Conflict, Invalid
 from kernelctl import wire
@@ -45,6 +45,7 @@ class Registration:
     actor: str
     new_only: bool
     minted_by: int | None = None  # the id of the token that registers: the node token expires no later
+    requested_at: dt.datetime = field(default_factory=utcnow)  # when the request arrived (what supersedes what)
 
     @property
     def key_hash(self) -> str | None:
@@ -66,6 +67,14 @@ def already_registered(node_name: str) -> Conflict:
         f"node {node_name} is already registered: an enrollment token registers new nodes only; re-register "
         f"with the node's own token, or have an operator issue one (kernelctl token create --role agent "
         f"--node {node_name})")
+
+
+def superseded(node_name: str) -> Conflict:
+    """What a registration gets when the node holds a token minted after the request arrived (a retry whose
+    earlier attempt is answered late, after the retry's token was issued): revoking that token would lock the
+    agent out, so the late attempt changes nothing."""
+    return Conflict(f"registration of {node_name} superseded: the node holds a token issued for a later "
+                    "request; nothing was changed")
 
 
 def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
@@ -153,10 +162,15 @@ def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registe
         raise Conflict(f"node {it.req.node_name} was removed concurrently; retry")
     if it.new_only and not _same_agent(node.registration_key_hash, it.key_hash):
         raise already_registered(node.name)
+    newest = session.scalar(select(func.max(ApiToken.created_at)).where(ApiToken.node_name == node.name,
+                                                                       ApiToken.revoked_at.is_(None)))
+    if newest is not None and as_utc(newest) > as_utc(it.requested_at):
+        raise superseded(node.name)
     apply_inventory(session, node, it.req.inventory, actor=it.actor)
     node.last_heartbeat_at = now
     mark_active(session, node, actor=it.actor)
-    token = issue_node_token(session, node.name, actor=it.actor, minted_by=it.minted_by)
+    token = issue_node_token(session, node.name, actor=it.actor, minted_by=it.minted_by,
+                             created_at=it.requested_at)
     return Registered(node.id, token, new=False)
 
 
@@ -199,7 +213,8 @@ def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], i
     expiry = minted_expiry(conn, [items[i].minted_by for i in created.values()])  # never outlives its minter
     expires = {name: expiry[items[i].minted_by] for name, i in created.items()}
     token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name, "expires_at": expires[name],
-                   "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
+                   "token_hash": hash_token(plain[name]), "created_at": items[i].requested_at}
+                  for name, i in created.items()]
     for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
                                                              sort_by_parameter_order=True), token_rows):
         actor = items[created[node]].actor

@@ -43,8 +43,8 @@ from typing import Any
 from sqlalchemy import and_, select, text
 from sqlalchemy.orm import Session
 
-from controller.db.models import Node, Report, RolloutStratum
-from controller.gates import Key, as_utc
+from controller.db.models import Node, Report, RolloutStratum, as_utc
+from controller.gates import Key
 from controller.judge.gates import StepEvidence
 from controller.judge.series import JudgeMemo
 from controller.signals import ReportSignals

@@ -33,7 +33,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from controller import numeric_detail
-from controller.db.models import Node, Report, RolloutStratum
+from controller.db.models import Node, Report, RolloutStratum, as_utc
 from controller.judge.gates import GATES, Breach, GateContext, MetricView, StepEvidence
 from controller.judge.gates.latency import describe
 from controller.plan import PlanSpec, StepSpec
@@ -52,11 +52,6 @@ OUTCOME_GATE = {
 }
 GATE_ORDER = ("numeric", "mismatch", "crash", "oom", "hang", "compile", "load")
 Key = tuple[int, str]  # (rollout_id, stratum)
-
-
-def as_utc(t: dt.datetime) -> dt.datetime:
-    """SQLite hands back naive datetimes (stored in UTC): make every datetime comparable."""
-    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t.astimezone(dt.timezone.utc)
 
 
 # ------------------------------------------------------------------------------------- per-report facts

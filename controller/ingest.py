@@ -29,9 +29,9 @@ from sqlalchemy.orm import Session, aliased
 
 from controller.assignments import mark_verified
 from controller.compat import node_stratum
-from controller.db.models import Assignment, Bundle, Node, Report, Rollout, RolloutStratum
+from controller.db.models import Assignment, Bundle, Node, Report, Rollout, RolloutStratum, as_utc
 from controller.errors import Invalid
-from controller.gates import OUTCOME_GATE, as_utc, effective_outcome, numerics_summary
+from controller.gates import OUTCOME_GATE, effective_outcome, numerics_summary
 from controller.numeric_detail import failed_checks
 from controller.signals import batch_signals
 from kernelctl import wire

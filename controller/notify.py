@@ -39,8 +39,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from controller.changelog import record_event
-from controller.db.models import Event, Rollout, Verdict, utcnow
-from controller.gates import as_utc
+from controller.db.models import Event, Rollout, Verdict, as_utc, utcnow
 from kernelctl.vocab import PARTLY_PROMOTED, PENDING, PROGRESSING, PROMOTED, step_number
 
 log = logging.getLogger("kernelctl.notify")

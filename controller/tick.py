@@ -21,11 +21,11 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from controller import assignments, rollouts
 from controller.changelog import record_event
-from controller.db.models import Event, Node, Rollout, RolloutStratum, Verdict
+from controller.db.models import Event, Node, Rollout, RolloutStratum, Verdict, as_utc
 from controller.desired.generation import changed
 from controller.errors import Conflict
 from controller.evidence import EvidenceCache
-from controller.gates import Decision, StepEvidence, as_utc, decide, hard_failures, step_evidence
+from controller.gates import Decision, StepEvidence, decide, hard_failures, step_evidence
 from controller.plan import load_plan
 from kernelctl.settings import Settings
 from kernelctl.vocab import ACTIVE_STATES, PAUSED, PENDING, PROGRESSING

@@ -45,6 +45,11 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def as_utc(t: dt.datetime) -> dt.datetime:
+    """SQLite hands back naive datetimes (stored in UTC): make every datetime comparable."""
+    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t.astimezone(dt.timezone.utc)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dt.datetime: DateTime(timezone=True), dict[str, Any]: JsonDoc}

@@ -2,6 +2,8 @@
 
 * Idempotent: a retry of a registration whose reply was lost (same registration key, enrollment token) gets the
   same node and a valid token; an enrollment token without that key cannot take an existing node over.
+* Ordered: an attempt answered after its own retry (queued behind load) is refused rather than revoking the
+  token the retry issued.
 * Per-item: each row of a group-committed batch is checked as the database will check it
   (``controller.db.fit``): a value that does not fit its column (``memory_total_mb = 2**31`` in an INTEGER) is
   refused for its own request only; and should a refusal slip past that check, the group commit writes the
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from sqlalchemy import func, select
@@ -69,6 +72,37 @@ def test_a_retry_in_the_same_batch_as_its_lost_original_gets_the_same_node(kit: 
     assert again.node_id == first.node_id
     with kit.tx() as s:
         assert authenticate(s, again.token).node == "gpu-1"  # the retry's token is the live one
+
+
+def test_an_original_answered_after_its_retry_does_not_revoke_the_retry_token(kit: Kit) -> None:
+    """Issue 28 (run C): the agent timed out on its first attempt and registered again; the first attempt,
+    queued behind the load, is committed after the retry. It must not revoke the token the agent now holds
+    (a 401 there sends the agent to register again: a cascade); it is refused and changes nothing."""
+    original = _reg("gpu-late", KEY)  # arrives first ...
+    retry = _reg("gpu-late", KEY, driver_version="560.28.03")
+    with kit.tx() as s:
+        (got,) = register_many(s, [retry])  # ... but the retry is committed first
+    with kit.tx() as s:
+        (late,) = register_many(s, [original])
+    assert isinstance(got, Registered) and isinstance(late, Conflict) and "superseded" in str(late)
+    with kit.tx() as s:  # nothing changed: the retry's inventory and token stand
+        assert s.scalar(select(Node.driver_version).where(Node.name == "gpu-late")) == "560.28.03"
+        assert authenticate(s, got.token).node == "gpu-late"
+    with kit.tx() as s:
+        (later,) = register_many(s, [_reg("gpu-late", KEY)])  # a registration after both still rotates
+    assert isinstance(later, Registered)
+    with kit.tx() as s:
+        assert authenticate(s, later.token).node == "gpu-late"
+        with pytest.raises(Exception, match="revoked"):
+            authenticate(s, got.token)
+    with kit.tx() as s:  # the same for a re-registration through the node's own token, retried
+        own = dataclasses.replace(_reg("gpu-late", KEY), new_only=False)
+        mine = dataclasses.replace(_reg("gpu-late", KEY), new_only=False)
+        (first,) = register_many(s, [mine])
+        (stale,) = register_many(s, [own])
+    assert isinstance(first, Registered) and isinstance(stale, Conflict)
+    with kit.tx() as s:
+        assert authenticate(s, first.token).node == "gpu-late"
 
 
 def test_a_row_that_does_not_fit_its_column_is_refused_alone(kit: Kit) -> None:

@@ -115,10 +115,10 @@ class World:
         return r.json()
 
     def promote(self, rid: int, **body: Any) -> httpx.Response:
-        """An operator promote through the API, naming the step it moves from where the API has that guard."""
-        detail = self.rollout(rid)
-        if detail.get("promote_from_step") is not None:
-            body.setdefault("from_step", detail["promote_from_step"])
+        """An operator promote through the API. A step promotion names the step it moves from (the API's guard);
+        a full promotion does not (the controller may begin a pending rollout between a read and the promote)."""
+        if not body.get("full"):
+            body.setdefault("from_step", self.rollout(rid)["promote_from_step"])
         return self.api.post(f"/v1/rollouts/{rid}/promote", json=body)
 
     def start_rollout(self, version: str, plan: dict[str, Any], reason: str) -> int:
