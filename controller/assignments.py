@@ -205,7 +205,7 @@ def revert_to_stable(session: Session, rollout_id: int, strata: set[str] | None,
     # strata back one call at a time in one transaction, and strata's ids interleave (locking each stratum's in
     # order still deadlocked with the liveness flush, three times in one 10,000-node run).
     session.execute(select(Assignment.node_id).where(Assignment.rollout_id == rollout_id)
-                    .order_by(Assignment.node_id, Assignment.bundle_name).with_for_update()).all()
+                    .order_by(Assignment.node_id, Assignment.bundle_name).with_for_update(key_share=True)).all()
     stmt = update(Assignment).where(*where)
     reverted = session.execute(
         stmt.values(desired_bundle_id=Assignment.stable_bundle_id, rollout_id=None, phase=None, phase_at=now,

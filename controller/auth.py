@@ -153,7 +153,7 @@ def minted_expiry(session: Session | Connection, minted_by: list[int], expires_a
 def revoke_node_tokens(session: Session, node: str, *, actor: str, reason: str) -> list[int]:
     """Revoke every unrevoked token bound to ``node``; returns their ids."""
     rows = list(session.scalars(select(ApiToken).where(ApiToken.node_name == node, ApiToken.revoked_at.is_(None))
-                                .order_by(ApiToken.id).with_for_update()))
+                                .order_by(ApiToken.id).with_for_update(key_share=True)))
     for row in rows:
         revoke_token(session, row.id, actor=actor, reason=reason)
     return [r.id for r in rows]

@@ -157,7 +157,7 @@ def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
 
 def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registered:
     """An existing node registers again: inventory updated, active again, a fresh token (earlier ones revoked)."""
-    node = session.scalar(select(Node).where(Node.name == it.req.node_name).with_for_update())
+    node = session.scalar(select(Node).where(Node.name == it.req.node_name).with_for_update(key_share=True))
     if node is None:
         raise Conflict(f"node {it.req.node_name} was removed concurrently; retry")
     if it.new_only and not _same_agent(node.registration_key_hash, it.key_hash):

@@ -78,8 +78,8 @@ def get_bundle(session: Session, ref: str) -> Bundle:
 
 
 def get_rollout(session: Session, rollout_id: int, *, lock: bool = False) -> Rollout:
-    """The rollout; ``lock`` takes its row lock (PostgreSQL ``FOR UPDATE``): operator actions serialise."""
-    r = session.get(Rollout, rollout_id, with_for_update=lock or None)
+    """The rollout; ``lock`` takes its row lock (PostgreSQL ``FOR NO KEY UPDATE``): operator actions serialise."""
+    r = session.get(Rollout, rollout_id, with_for_update={"key_share": True} if lock else None)
     if r is None:
         raise NotFound(f"rollout {rollout_id} does not exist")
     return r
@@ -173,7 +173,7 @@ def start_rollout(
     now = now or utcnow()
     name, _ = parse_ref(bundle_ref)
     # lock every version of this bundle name: concurrent starts of one name serialise (PostgreSQL)
-    session.execute(select(Bundle.id).where(Bundle.name == name).with_for_update()).all()
+    session.execute(select(Bundle.id).where(Bundle.name == name).with_for_update(key_share=True)).all()
     bundle = get_bundle(session, bundle_ref)
     if bundle.status == "revoked" and not force:
         raise Conflict(f"{bundle.ref} is revoked ({bundle.status_reason or 'no reason recorded'}); "

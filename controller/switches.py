@@ -7,7 +7,7 @@ from it), closes and opens ``activations`` rows and writes the ``assignment.acti
 events (and ``security.unverified_serve`` for a refused claim): what
 :func:`controller.desired.effects.heartbeat_effects` says, as the single-row writer
 (``assignments.advance_phases``) applies it, but for a whole batch of nodes in a handful of statements
-(``controller.group_commit``). The rows are read ``FOR UPDATE`` and the rule applied to them, so a batch is
+(``controller.group_commit``). The rows are read ``FOR NO KEY UPDATE`` and the rule applied to them, so a batch is
 correct whatever the replica's snapshot believed; a node whose rows or state differ from what the snapshot
 promised (stale, a new assignment, an inventory) gets :data:`FULL` and takes the one-transaction path instead.
 The rows a batch changed are declared (``controller.desired.generation.changed``): replicas patch them in.
@@ -67,7 +67,7 @@ def record_switches(session: Session, items: list[Switch]) -> list[Switched | ob
                                     Assignment.desired_bundle_id, Assignment.stable_bundle_id,
                                     Assignment.rollout_id, Assignment.phase, Assignment.phase_at)
                              .where(Assignment.node_id.in_(ids)).order_by(Assignment.node_id, Assignment.bundle_name)
-                             .with_for_update()).all()
+                             .with_for_update(key_share=True)).all()
     plans = trial_first(session, {r[5] for r in stored if r[5] is not None})
     for nid, name, active, desired, stable, rid, phase, phase_at in stored:
         rows.setdefault(nid, {})[name] = RowFacts(name, active, desired, stable, rid, phase, phase_at,

@@ -67,7 +67,7 @@ def mark_stale(session: Session, now: dt.datetime, stale_after_seconds: float) -
     cutoff = now - dt.timedelta(seconds=stale_after_seconds)
     # the rows locked in id order first, as every writer of many nodes does (controller.desired.liveness)
     due = select(Node.id).where(Node.state == "active", Node.last_heartbeat_at < cutoff).order_by(Node.id) \
-        .with_for_update()
+        .with_for_update(key_share=True)
     names = list(session.execute(
         update(Node).where(Node.id.in_(due.scalar_subquery()), Node.state == "active", Node.last_heartbeat_at < cutoff)
         .values(state="stale").returning(Node.name), execution_options={"synchronize_session": False}).scalars())

@@ -21,9 +21,13 @@ from controller.db.engine import retry_lock_cycles
 
 # Every writer that locks many rows takes them in one order (nodes by id; assignments by node id, bundle name:
 # ``controller.switches``, the stale sweep, registration), so two replicas or API workers never lock in a cycle.
-PG_LOCK_NODES = text("SELECT id FROM nodes WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE")
-PG_LOCK_ASSIGNMENTS = text(
-    "SELECT 1 FROM assignments WHERE node_id = ANY(CAST(:ids AS bigint[])) ORDER BY node_id, bundle_name FOR UPDATE")
+# Every row lock in the controller is FOR NO KEY UPDATE (SQLAlchemy ``with_for_update(key_share=True)``): no
+# writer changes a key, and a plain FOR UPDATE also blocks the KEY SHARE lock that an insert's foreign-key check
+# takes on the row it points to (a report or an activation naming the node), which deadlocked report intake
+# and switch batches with the liveness flush in a 10,000-node run.
+PG_LOCK_NODES = text("SELECT id FROM nodes WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR NO KEY UPDATE")
+PG_LOCK_ASSIGNMENTS = text("SELECT 1 FROM assignments WHERE node_id = ANY(CAST(:ids AS bigint[])) "
+                           "ORDER BY node_id, bundle_name FOR NO KEY UPDATE")
 PG_STAGED = text(
     "UPDATE assignments SET staged = CAST(v.doc AS json) FROM unnest(CAST(:ids AS bigint[]), CAST(:names AS text[]), "
     "CAST(:docs AS text[])) AS v(id, name, doc) WHERE assignments.node_id = v.id AND assignments.bundle_name = v.name")
