@@ -19,6 +19,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -260,8 +261,16 @@ class ControllerClient:
 
     # API ---------------------------------------------------------------------------------------------
     def register(self, request: RegisterRequest) -> RegisterResponse:
-        """Register (or re-register) the node; afterwards this client uses the node token."""
-        reply = self._post("/agents/register", request, RegisterResponse)
+        """Register (or re-register) the node; afterwards this client uses the node token. Every attempt (a
+        retry included) is stamped with the time it is sent (``sent_at_ns``): the controller then never lets an
+        earlier attempt answered late revoke the token a later one got."""
+        headers = {**self._headers(), "Content-Type": "application/json"}
+
+        def send() -> httpx.Response:
+            body = request.model_copy(update={"sent_at_ns": time.time_ns()}).model_dump_json().encode()
+            return self._http.post(API_PREFIX + "/agents/register", content=body, headers=headers)
+
+        reply = RegisterResponse.model_validate_json(self._call(send).content)
         self.token = reply.node_token
         return reply
 

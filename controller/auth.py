@@ -77,13 +77,12 @@ def _check_name(name: str) -> None:
 
 
 def _add_token(session: Session, role: str, name: str, node: str | None, token: str, actor: str,
-               expires_at: dt.datetime | None = None, created_at: dt.datetime | None = None) -> ApiToken:
+               expires_at: dt.datetime | None = None) -> ApiToken:
     _check_role(role)
     _check_name(name)
     if node is not None and role != "agent":
         raise ValueError(f"only agent tokens can be bound to a node (got role {role!r} with node {node!r})")
-    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token), expires_at=expires_at,
-                   created_at=created_at or utcnow())
+    row = ApiToken(name=name, role=role, node_name=node, token_hash=hash_token(token), expires_at=expires_at)
     session.add(row)
     session.flush()
     record_event(
@@ -116,13 +115,11 @@ def create_token(session: Session, role: str, name: str, node: str | None = None
 
 
 def issue_node_token(session: Session, node: str, *, actor: str, name: str | None = None,
-                     expires_at: dt.datetime | None = None, minted_by: int | None = None,
-                     created_at: dt.datetime | None = None) -> str:
+                     expires_at: dt.datetime | None = None, minted_by: int | None = None) -> str:
     """A fresh token for ``node``; every earlier unrevoked token of that node is revoked in the same transaction.
 
     ``minted_by``: the id of the token that asked for it (a registration): the new token expires no later
-    than that one (:func:`minted_expiry`). ``created_at``: for a registration, when its request arrived (a
-    later registration's token is never revoked by an earlier one answered late). Returns the plaintext. Callers that authenticate through a cache
+    than that one (:func:`minted_expiry`). Returns the plaintext. Callers that authenticate through a cache
     must also drop the node's cached principals (the API does; other replicas see the revocation within the
     auth cache time).
     """
@@ -130,7 +127,7 @@ def issue_node_token(session: Session, node: str, *, actor: str, name: str | Non
         expires_at = minted_expiry(session, [minted_by], expires_at)[minted_by]
     revoked = revoke_node_tokens(session, node, actor=actor, reason="superseded by a new node token")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at, created_at)
+    row = _add_token(session, "agent", name or f"node:{node}"[:128], node, token, actor, expires_at)
     if revoked:
         record_event(session, actor=actor, action="token.node_reissued", subject=f"token:{row.id}", node=node,
                      payload={"revoked": revoked})

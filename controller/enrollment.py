@@ -11,7 +11,10 @@ enrollment token naming an existing node) gets its exception back; the others co
 Idempotent retry: an agent generates a random registration key and keeps it on disk before its first attempt;
 the node stores its SHA-256. A retry whose reply was lost (the server committed, the agent timed out) sends the
 same key with the enrollment token and gets the same node with a fresh token (the lost one is revoked). An
-enrollment token without that key still cannot take over an existing node.
+enrollment token without that key still cannot take over an existing node. Each attempt carries the time the
+agent sent it (``sent_at_ns``, the agent's clock); the node keeps the latest it took, and an older attempt
+answered late (the agent timed out on it and sent another, registered first) is refused with 409 instead of
+revoking the token the agent now holds (which sent the agent back to register: a cascade under load).
 """
 
 from __future__ import annotations
@@ -20,17 +23,17 @@ import datetime as dt
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from controller.auth import TOKEN_PREFIX, hash_token, issue_node_token, minted_expiry
 from controller.changelog import event_row, record_event
 from controller.db.fit import row_problem
-from controller.db.models import ApiToken, Event, Node, as_utc, utcnow
+from controller.db.models import ApiToken, Event, Node, utcnow
 from controller.desired.generation import changed
 from controller.errors import Conflict, Invalid
 from kernelctl import wire
@@ -45,7 +48,6 @@ class Registration:
     actor: str
     new_only: bool
     minted_by: int | None = None  # the id of the token that registers: the node token expires no later
-    requested_at: dt.datetime = field(default_factory=utcnow)  # when the request arrived (what supersedes what)
 
     @property
     def key_hash(self) -> str | None:
@@ -70,11 +72,11 @@ def already_registered(node_name: str) -> Conflict:
 
 
 def superseded(node_name: str) -> Conflict:
-    """What a registration gets when the node holds a token minted after the request arrived (a retry whose
-    earlier attempt is answered late, after the retry's token was issued): revoking that token would lock the
-    agent out, so the late attempt changes nothing."""
-    return Conflict(f"registration of {node_name} superseded: the node holds a token issued for a later "
-                    "request; nothing was changed")
+    """What a registration attempt gets when a later attempt of its agent was taken first (``sent_at_ns``: the
+    first attempt timed out at the agent, which sent another, and was answered late): revoking the later one's
+    token would lock the agent out, so the late attempt changes nothing."""
+    return Conflict(f"registration of {node_name} superseded: a later attempt of this agent was registered "
+                    "first; nothing was changed")
 
 
 def register_node(session: Session, node_name: str, inventory: wire.Inventory, actor: str,
@@ -152,7 +154,8 @@ def _same_agent(stored: str | None, key_hash: str | None) -> bool:
 
 def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
     return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
-            "registration_key_hash": it.key_hash, **it.req.inventory.model_dump()}
+            "registration_key_hash": it.key_hash, "registration_sent_ns": it.req.sent_at_ns,
+            **it.req.inventory.model_dump()}
 
 
 def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registered:
@@ -162,15 +165,15 @@ def _reregister(session: Session, it: Registration, now: dt.datetime) -> Registe
         raise Conflict(f"node {it.req.node_name} was removed concurrently; retry")
     if it.new_only and not _same_agent(node.registration_key_hash, it.key_hash):
         raise already_registered(node.name)
-    newest = session.scalar(select(func.max(ApiToken.created_at)).where(ApiToken.node_name == node.name,
-                                                                       ApiToken.revoked_at.is_(None)))
-    if newest is not None and as_utc(newest) > as_utc(it.requested_at):
+    sent = it.req.sent_at_ns
+    if sent is not None and node.registration_sent_ns is not None and sent <= node.registration_sent_ns:
         raise superseded(node.name)
+    if sent is not None:
+        node.registration_sent_ns = sent
     apply_inventory(session, node, it.req.inventory, actor=it.actor)
     node.last_heartbeat_at = now
     mark_active(session, node, actor=it.actor)
-    token = issue_node_token(session, node.name, actor=it.actor, minted_by=it.minted_by,
-                             created_at=it.requested_at)
+    token = issue_node_token(session, node.name, actor=it.actor, minted_by=it.minted_by)
     return Registered(node.id, token, new=False)
 
 
@@ -213,8 +216,7 @@ def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], i
     expiry = minted_expiry(conn, [items[i].minted_by for i in created.values()])  # never outlives its minter
     expires = {name: expiry[items[i].minted_by] for name, i in created.items()}
     token_rows = [{"name": f"node:{name}"[:128], "role": "agent", "node_name": name, "expires_at": expires[name],
-                   "token_hash": hash_token(plain[name]), "created_at": items[i].requested_at}
-                  for name, i in created.items()]
+                   "token_hash": hash_token(plain[name]), "created_at": now} for name in created]
     for tid, node in conn.execute(insert(ApiToken).returning(ApiToken.id, ApiToken.node_name,
                                                              sort_by_parameter_order=True), token_rows):
         actor = items[created[node]].actor

@@ -103,6 +103,9 @@ class RegisterRequest(Strict):
     # random, generated and kept on disk by the agent before its first attempt: a retry of a registration whose
     # reply was lost gets the same node (controller.enrollment)
     registration_key: str | None = Field(None, min_length=16, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    # when the agent sent this attempt, on its own clock (ns since the epoch), new for every attempt: an attempt
+    # answered after a later one of the same agent is refused (409) rather than revoking that one's token
+    sent_at_ns: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 class RegisterResponse(Strict):

@@ -123,6 +123,9 @@ class Node(Base):
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
     # SHA-256 of the agent's registration key: a retry whose reply was lost proves it is the same agent
     registration_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # when the registration attempt last taken was sent, on the agent's clock (ns): an older attempt answered
+    # late is superseded (controller.enrollment)
+    registration_sent_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class StableVersion(Base):

@@ -213,9 +213,10 @@ class Fleet:
 
     async def register(self, a: SimAgent) -> None:
         """Register as ``agents.daemon`` does (see the module docstring)."""
-        req = wire.RegisterRequest(node_name=a.name, inventory=a.inventory(), registration_key=a.registration_key)
         attempt = 0
-        while self.running and a.token is None:
+        while self.running and a.token is None:  # each attempt stamped when sent, as the agent's client does
+            req = wire.RegisterRequest(node_name=a.name, inventory=a.inventory(), registration_key=a.registration_key,
+                                       sent_at_ns=time.time_ns())
             r = await self.request(a, "register", "POST", "/v1/agents/register", self.tokens["enroll"], req,
                                    timeout=REGISTER_TIMEOUT_S, gated=False)  # agents do not coordinate
             if r is not None and r.status_code == 200:

@@ -3,7 +3,7 @@
 * Idempotent: a retry of a registration whose reply was lost (same registration key, enrollment token) gets the
   same node and a valid token; an enrollment token without that key cannot take an existing node over.
 * Ordered: an attempt answered after its own retry (queued behind load) is refused rather than revoking the
-  token the retry issued.
+  token the retry issued (the agent stamps each attempt when it sends it).
 * Per-item: each row of a group-committed batch is checked as the database will check it
   (``controller.db.fit``): a value that does not fit its column (``memory_total_mb = 2**31`` in an INTEGER) is
   refused for its own request only; and should a refusal slip past that check, the group commit writes the
@@ -41,10 +41,11 @@ def kit(db_url, tmp_path):
     k.close()
 
 
-def _reg(name: str, key: str | None = None, **inv) -> Registration:
+def _reg(name: str, key: str | None = None, sent_at_ns: int | None = None, **inv) -> Registration:
     raw = {**inventory().model_dump(), **inv}
     return Registration(wire.RegisterRequest.model_construct(
-        node_name=name, inventory=wire.Inventory.model_construct(**raw), registration_key=key), "agent:enroll", True)
+        node_name=name, inventory=wire.Inventory.model_construct(**raw), registration_key=key,
+        sent_at_ns=sent_at_ns), "agent:enroll", True)
 
 
 def test_a_retry_with_the_registration_key_gets_the_same_node_and_a_fresh_token(kit: Kit) -> None:
@@ -75,34 +76,32 @@ def test_a_retry_in_the_same_batch_as_its_lost_original_gets_the_same_node(kit: 
 
 
 def test_an_original_answered_after_its_retry_does_not_revoke_the_retry_token(kit: Kit) -> None:
-    """Issue 28 (run C): the agent timed out on its first attempt and registered again; the first attempt,
-    queued behind the load, is committed after the retry. It must not revoke the token the agent now holds
-    (a 401 there sends the agent to register again: a cascade); it is refused and changes nothing."""
-    original = _reg("gpu-late", KEY)  # arrives first ...
-    retry = _reg("gpu-late", KEY, driver_version="560.28.03")
+    """Issue 28 (run C): the agent timed out on its first attempt and sent another; the first, queued behind the
+    load, is taken after the second. It must not revoke the token the agent now holds (a 401 there sends the
+    agent to register again: a cascade); it is refused and changes nothing. The order is the agent's own (each
+    attempt stamped when sent), not the server's, whose event loop may start a late request's handler last."""
+    original = _reg("gpu-late", KEY, sent_at_ns=1_000)
+    retry = _reg("gpu-late", KEY, sent_at_ns=2_000, driver_version="560.28.03")
     with kit.tx() as s:
-        (got,) = register_many(s, [retry])  # ... but the retry is committed first
+        (got,) = register_many(s, [retry])  # the retry is taken first
     with kit.tx() as s:
         (late,) = register_many(s, [original])
+        (again,) = register_many(s, [_reg("gpu-late", KEY, sent_at_ns=2_000)])  # the same attempt twice
     assert isinstance(got, Registered) and isinstance(late, Conflict) and "superseded" in str(late)
+    assert isinstance(again, Conflict)
     with kit.tx() as s:  # nothing changed: the retry's inventory and token stand
         assert s.scalar(select(Node.driver_version).where(Node.name == "gpu-late")) == "560.28.03"
         assert authenticate(s, got.token).node == "gpu-late"
+    with kit.tx() as s:  # a later attempt, through the node's own token or the enrollment token, still rotates
+        (own,) = register_many(s, [dataclasses.replace(_reg("gpu-late", KEY, sent_at_ns=3_000), new_only=False)])
+        (later,) = register_many(s, [_reg("gpu-late", KEY, sent_at_ns=4_000)])
+        (unstamped,) = register_many(s, [_reg("gpu-late", KEY)])  # an agent that does not stamp: as before
+    assert all(isinstance(r, Registered) for r in (own, later, unstamped))
     with kit.tx() as s:
-        (later,) = register_many(s, [_reg("gpu-late", KEY)])  # a registration after both still rotates
-    assert isinstance(later, Registered)
-    with kit.tx() as s:
-        assert authenticate(s, later.token).node == "gpu-late"
-        with pytest.raises(Exception, match="revoked"):
-            authenticate(s, got.token)
-    with kit.tx() as s:  # the same for a re-registration through the node's own token, retried
-        own = dataclasses.replace(_reg("gpu-late", KEY), new_only=False)
-        mine = dataclasses.replace(_reg("gpu-late", KEY), new_only=False)
-        (first,) = register_many(s, [mine])
-        (stale,) = register_many(s, [own])
-    assert isinstance(first, Registered) and isinstance(stale, Conflict)
-    with kit.tx() as s:
-        assert authenticate(s, first.token).node == "gpu-late"
+        assert authenticate(s, unstamped.token).node == "gpu-late"
+        for old in (got, own, later):
+            with pytest.raises(Exception, match="revoked"):
+                authenticate(s, old.token)
 
 
 def test_a_row_that_does_not_fit_its_column_is_refused_alone(kit: Kit) -> None:
