@@ -11,12 +11,19 @@ the rows it has are still applied at once (their watches answer), and the snapsh
 
 :func:`install_generation_hooks` adds the bump to a sessionmaker: right before COMMIT one ``UPDATE ...
 RETURNING`` takes the next value (the row lock is held only for the commit, so generations are ordered like
-the commits) and, on PostgreSQL, ``pg_notify('kernelctl_desired', value)`` wakes every replica when the
-transaction commits; after the commit ``on_commit(generation, patch)`` tells this process.
+the commits) and, on PostgreSQL, ``pg_notify('kernelctl_desired', notice)`` wakes every replica when the
+transaction commits; after the commit ``on_commit(generation, patch)`` tells this process. The notice carries
+the patch too when it fits a NOTIFY payload (:func:`notice`: a switch batch, a verified canary, a pause), so the
+other API workers and replicas patch their snapshots as this process does instead of reloading them (with two
+workers, each reloaded about once a second for the other's switches, and a watch woken by a rollback then waited
+behind a reload in progress); a larger patch (a rollback of many canaries) still sends the generation alone.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +69,40 @@ class Patch:
     complete: bool = True
 
 
+NOTICE_MAX_BYTES = 7900  # PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
+
+
+def notice(generation: int, patch: Patch) -> str:
+    """The NOTIFY payload for a commit at ``generation``: ``"<generation>"``, or ``"<generation> <patch>"`` with
+    the patch as compact JSON (zlib + base64 when that is what fits) when it fits :data:`NOTICE_MAX_BYTES`."""
+    rows = [[nid, name, p.view.desired_id, p.view.stable_id, p.view.rollout_id, p.view.phase,
+             "K" if p.active_id is KEEP else p.active_id] for nid, mine in patch.rows.items() for name, p in mine.items()]
+    doc = json.dumps({"r": rows, "s": [[rid, st, state] for (rid, st), state in patch.strata.items()],
+                      "c": patch.complete}, separators=(",", ":"))
+    for body in (doc, "z" + base64.b64encode(zlib.compress(doc.encode(), 6)).decode()):
+        out = f"{generation} {body}"
+        if len(out.encode()) <= NOTICE_MAX_BYTES:
+            return out
+    return str(generation)
+
+
+def read_notice(payload: str) -> tuple[int, Patch | None]:
+    """(generation, the patch or None) from a :func:`notice`; raises ValueError on anything else."""
+    head, _, body = payload.partition(" ")
+    generation = int(head)
+    if not body:
+        return generation, None
+    if body.startswith("z"):
+        body = zlib.decompress(base64.b64decode(body[1:])).decode()
+    doc = json.loads(body)
+    rows: dict[int, dict[str, PatchRow]] = {}
+    for nid, name, desired, stable, rollout, phase, active in doc["r"]:
+        rows.setdefault(int(nid), {})[name] = PatchRow(AssignmentView(name, desired, stable, rollout, phase),
+                                                       KEEP if active == "K" else active)
+    strata = {(int(rid), st): state for rid, st, state in doc["s"]}
+    return generation, Patch(rows=rows, strata=strata, complete=bool(doc["c"]))
+
+
 def read_generation(session: Session) -> int:
     """The current desired-state generation (0 before migration 0005 seeded it)."""
     return int(session.execute(text("SELECT value FROM desired_generation WHERE id = 1")).scalar() or 0)
@@ -104,7 +145,8 @@ def install_generation_hooks(factory: sessionmaker[Session],
             return
         session.info[GENERATION] = session.info[LAST_GENERATION] = int(value)
         if session.get_bind().dialect.name == "postgresql":
-            session.execute(text("SELECT pg_notify(:ch, :v)"), {"ch": CHANNEL, "v": str(value)})
+            session.execute(text("SELECT pg_notify(:ch, :v)"),
+                            {"ch": CHANNEL, "v": notice(int(value), session.info[PATCH])})
 
     @event.listens_for(factory, "after_commit")
     def _after_commit(session: Session) -> None:

@@ -1,22 +1,23 @@
 """``LISTEN kernelctl_desired`` on a dedicated PostgreSQL connection, in its own thread: every commit that
-bumps the generation on any replica wakes this one (``on_generation(value)``, thread-safe); reconnects with
-backoff, and asks for a reload after each (re)connection (anything committed while it was not listening)."""
+bumps the generation on any replica wakes this one (``on_generation(value, patch)``, thread-safe; the patch when
+the notice carried it, :func:`controller.desired.generation.notice`); reconnects with backoff, and asks for a
+reload after each (re)connection (anything committed while it was not listening)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
+import zlib
 from collections.abc import Callable
 
-from controller.desired.generation import CHANNEL
+from controller.desired.generation import CHANNEL, Patch, read_notice
 from controller.errors import first_line
 
 log = logging.getLogger(__name__)
 
 
 class Listener:
-    def __init__(self, database_url: str, on_generation: Callable[[int | None], None]) -> None:
+    def __init__(self, database_url: str, on_generation: Callable[[int | None, Patch | None], None]) -> None:
         self.url = database_url
         self.on_generation = on_generation
         self._stop = threading.Event()
@@ -41,11 +42,15 @@ class Listener:
                                      application_name="kernelctl-watch") as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     backoff = 0.5
-                    self.on_generation(None)
+                    self.on_generation(None, None)
                     while not self._stop.is_set():
                         for n in conn.notifies(timeout=1.0, stop_after=1):
-                            with contextlib.suppress(ValueError):
-                                self.on_generation(int(n.payload))
+                            try:
+                                generation, patch = read_notice(n.payload)
+                            except (ValueError, KeyError, TypeError, zlib.error) as exc:
+                                log.warning("desired-state notice unreadable (%s): reloading", first_line(exc))
+                                generation, patch = None, None
+                            self.on_generation(generation, patch)
             except Exception as exc:
                 log.warning("desired-state LISTEN connection lost (%s); retrying in %.1fs", first_line(exc), backoff)
                 self._stop.wait(backoff)

@@ -66,10 +66,14 @@ class DesiredStore:
         """A commit of this process at ``generation`` declared ``patch`` (the generation hook calls this)."""
         self.in_loop(self.apply, generation, patch)
 
-    def notified(self, generation: int | None) -> None:
-        """The generation moved somewhere (a NOTIFY; None: maybe, reload to see). Looked at a moment later: a
-        commit of this process has its patch applied by then, and needs no reload."""
-        self.in_loop(self._notified, generation)
+    def notified(self, generation: int | None, patch: Patch | None = None) -> None:
+        """The generation moved somewhere (a NOTIFY; None: maybe, reload to see). With the commit's ``patch``
+        (the notice carried it) it is applied as this process's own commits are; without, looked at a moment
+        later: a commit of this process has its patch applied by then, and needs no reload."""
+        if generation is not None and patch is not None:
+            self.committed(generation, patch)
+        else:
+            self.in_loop(self._notified, generation)
 
     def _notified(self, generation: int | None) -> None:
         if self._loop is not None:

@@ -5,15 +5,31 @@ PostgreSQL.
   commit; one declared in a savepoint that is rolled back leaves a partial patch (reload), never its rows.
 * A rollback is a patch like a switch: a held watch of a canary is answered with the stable version at once,
   with one wake-up and no snapshot reload; the snapshot it replaced is unchanged (copy-on-write).
+* Across processes (PostgreSQL): the commit's NOTIFY carries its patch when it fits, and another API worker or
+  replica applies it as its own commits, without a reload; a patch too large for a notice sends the generation
+  alone (that replica reloads).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
-from controller.desired.generation import PATCH, changed
+from controller.db.engine import make_engine, session_factory
+from controller.desired.effects import AssignmentView
+from controller.desired.generation import (
+    KEEP,
+    NOTICE_MAX_BYTES,
+    PATCH,
+    Patch,
+    PatchRow,
+    changed,
+    install_generation_hooks,
+    notice,
+    read_notice,
+)
 from controller.desired.hub import DesiredHub
 from controller.desired.snapshot import load_snapshot
 from controller.rollouts import rollback
@@ -43,43 +59,44 @@ def test_a_change_declared_in_a_savepoint_bumps_at_the_outer_commit(kit: Kit) ->
     assert generation(kit) == g0 + 2
 
 
+def test_a_notice_carries_the_patch_when_it_fits() -> None:
+    patch = Patch(rows={7: {"llm-fused": PatchRow(AssignmentView("llm-fused", 3, 2, 5, "staged"), KEEP)},
+                        8: {"llm-fused": PatchRow(AssignmentView("llm-fused", 2, 2, None, None), 4)}},
+                  strata={(5, "sm_90/drv550/triton3.6.0"): "rolled_back"}, complete=False)
+    assert read_notice(notice(41, patch)) == (41, patch)
+    big = Patch(rows={n: {"llm-fused": PatchRow(AssignmentView("llm-fused", n, n + 1, n + 2, "verified"), n + 3)}
+                      for n in range(10**6, 10**6 + 3000)})  # too large even compressed: the generation alone
+    assert read_notice(notice(42, big)) == (42, None)
+    many = Patch(rows={n: {"llm-fused": PatchRow(AssignmentView("llm-fused", 2, 2, None, None))} for n in range(400)})
+    text = notice(43, many)  # repetitive rows: compressed to fit
+    assert len(text.encode()) <= NOTICE_MAX_BYTES and text.split(" ")[1].startswith("z")
+    assert read_notice(text) == (43, many)
+
+
+@pytest.mark.parametrize("db_backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_a_rollback_committed_by_another_process_is_applied_from_its_notice(kit: Kit, db_url: str) -> None:
+    """Another API worker (its own engine and hooks: here a second factory) rolls back; this hub's held watch is
+    answered from the notice's patch, with no snapshot reload."""
+    rid, stable, _cand = _stable_and_candidate(kit, nodes=2)
+    other = session_factory(make_engine(db_url))
+    install_generation_hooks(other)
+
+    def roll_back_elsewhere() -> None:
+        with other() as s, s.begin():
+            rollback(s, rid, actor="op", reason="numerics wrong")
+
+    try:
+        reply, reloads, _wakes = asyncio.run(_watch_through(kit, db_url, stable, roll_back_elsewhere))
+    finally:
+        other.kw["bind"].dispose()
+    (d,) = reply.desired
+    assert (d.active, d.role) == (stable, "stable")
+    assert reloads == 0  # the notice's patch, not a reload
+
+
 def test_a_rollback_reaches_a_held_watch_as_one_patch_without_a_reload(kit: Kit, db_url: str) -> None:
     rid, stable, _cand = _stable_and_candidate(kit, nodes=2)
-
-    async def run() -> tuple[wire.HeartbeatResponse, int, list[list[str]]]:
-        hub = DesiredHub(kit.factory, db_url, poll_seconds=60)
-        await hub.start()
-        loads: list[int] = []
-        load = hub.store._load_if_newer
-        def counted(have: int, unknown: bool):  # type: ignore[no-untyped-def]
-            snap = load(have, unknown)
-            if snap is not None:
-                loads.append(snap.generation)
-            return snap
-
-        hub.store._load_if_newer = counted  # type: ignore[method-assign]
-        wakes: list[list[str]] = []
-        wake = hub.waiters.wake
-        hub.waiters.wake = lambda names: (wakes.append(list(names)), wake(names))[1]  # type: ignore
-        try:
-            first, _h, _p = await hub.heartbeat(wire.HeartbeatRequest(node_name="gpu-000", active=[stable]),
-                                                heartbeat_seconds=5)
-            before = hub.snapshot
-            watch = asyncio.create_task(hub.heartbeat(wire.HeartbeatRequest(
-                node_name="gpu-000", active=[stable], generation=first.generation, wait_seconds=30),
-                heartbeat_seconds=5))
-            await asyncio.sleep(0.2)
-            assert not watch.done()
-            wakes.clear()
-            await asyncio.to_thread(_rollback, kit, rid)
-            reply, held, _path = await asyncio.wait_for(watch, 10)
-            assert held < 5
-            assert before.desired(before.nodes["gpu-000"])[0].role == "candidate"  # the old snapshot stands
-            return reply, len(loads), wakes
-        finally:
-            await hub.stop()
-
-    reply, reloads, wakes = asyncio.run(run())
+    reply, reloads, wakes = asyncio.run(_watch_through(kit, db_url, stable, lambda: _rollback(kit, rid)))
     (d,) = reply.desired
     assert (d.active, d.role, d.trial) == (stable, "stable", None)
     assert reply.generation == generation(kit)
@@ -87,6 +104,46 @@ def test_a_rollback_reaches_a_held_watch_as_one_patch_without_a_reload(kit: Kit,
     assert sum(w.count("gpu-000") for w in wakes) == 1  # one wake-up
     snap = load_snapshot(kit.factory)
     assert snap.desired(snap.nodes["gpu-000"]) == reply.desired
+
+
+async def _watch_through(kit: Kit, db_url: str, stable: wire.BundleRef, write: Callable[[], None]
+                         ) -> tuple[wire.HeartbeatResponse, int, list[list[str]]]:
+    """Hold a watch of canary gpu-000 on a hub, run ``write`` in a thread; the watch's reply, the snapshot
+    reloads meanwhile and the wake-ups."""
+    hub = DesiredHub(kit.factory, db_url, poll_seconds=60)
+    await hub.start()
+    loads: list[int] = []
+    load = hub.store._load_if_newer
+
+    def counted(have: int, unknown: bool):  # type: ignore[no-untyped-def]
+        snap = load(have, unknown)
+        if snap is not None:
+            loads.append(snap.generation)
+        return snap
+
+    hub.store._load_if_newer = counted  # type: ignore[method-assign]
+    wakes: list[list[str]] = []
+    wake = hub.waiters.wake
+    hub.waiters.wake = lambda names: (wakes.append(list(names)), wake(names))[1]  # type: ignore
+    try:
+        first, _h, _p = await hub.heartbeat(wire.HeartbeatRequest(node_name="gpu-000", active=[stable]),
+                                            heartbeat_seconds=5)
+        await asyncio.sleep(0.3)  # the start's own reload (LISTEN connected) is over
+        loads.clear()
+        before = hub.snapshot
+        watch = asyncio.create_task(hub.heartbeat(wire.HeartbeatRequest(
+            node_name="gpu-000", active=[stable], generation=first.generation, wait_seconds=30),
+            heartbeat_seconds=5))
+        await asyncio.sleep(0.2)
+        assert not watch.done()
+        wakes.clear()
+        await asyncio.to_thread(write)
+        reply, held, _path = await asyncio.wait_for(watch, 10)
+        assert held < 5
+        assert before.desired(before.nodes["gpu-000"])[0].role == "candidate"  # the old snapshot stands
+        return reply, len(loads), wakes
+    finally:
+        await hub.stop()
 
 
 def _rollback(kit: Kit, rid: int) -> None:
