@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from controller import registry
 from controller.db.engine import make_engine, session_factory
 from controller.desired.effects import AssignmentView
 from controller.desired.generation import (
@@ -34,7 +35,7 @@ from controller.desired.hub import DesiredHub
 from controller.desired.snapshot import load_snapshot
 from controller.rollouts import rollback
 from kernelctl import wire
-from tests.controller.enginekit import Kit, generation, generation_kit
+from tests.controller.enginekit import T0, Kit, generation, generation_kit
 from tests.controller.test_serve_phase import _stable_and_candidate
 
 
@@ -57,6 +58,20 @@ def test_a_change_declared_in_a_savepoint_bumps_at_the_outer_commit(kit: Kit) ->
         patch = s.info[PATCH]
         assert not patch.complete and not patch.strata  # its rows are not trusted: the replicas reload
     assert generation(kit) == g0 + 2
+
+
+def test_a_full_heartbeat_declares_the_rows_it_changes(kit: Kit) -> None:
+    """The single-row writer (the full heartbeat transaction) declares its rows as the batch writer does, so
+    its commit is a complete patch (other workers patch, none reloads)."""
+    _rid, stable, cand = _stable_and_candidate(kit, nodes=2)
+    seen: list[Patch] = []
+    install_generation_hooks(kit.factory, on_commit=lambda _gen, patch: seen.append(patch))
+    with kit.tx() as s:  # the canary downloaded the candidate and stages it: the phase moves
+        registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", active=[stable], staged=[cand]),
+                           T0, heartbeat_seconds=5)
+    with kit.tx() as s:
+        registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", active=[cand]), T0, heartbeat_seconds=5)
+    assert seen and all(p.complete and p.rows for p in seen), seen
 
 
 def test_a_notice_carries_the_patch_when_it_fits() -> None:
