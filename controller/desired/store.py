@@ -33,6 +33,7 @@ from kernelctl import wire
 log = logging.getLogger(__name__)
 UNKNOWN_RELOAD_SECONDS = 1.0  # a heartbeat from a node the snapshot does not know: reload this soon
 NOTIFY_DEFER_SECONDS = 0.05  # a NOTIFY is looked at this much later (this process's own patch lands first)
+GAP_SECONDS = 0.25  # a patch whose predecessor has not arrived waits this long for it, then a reload
 
 
 class DesiredStore:
@@ -50,6 +51,7 @@ class DesiredStore:
         self._reloaded = asyncio.Event()
         self._unknown = False
         self._new: dict[str, NodeView] = {}  # added this turn of the loop (add_node, learn)
+        self._ahead: dict[int, Patch] = {}  # patches that came before an earlier generation's (applied in order)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lookups: GroupCommit[str] = GroupCommit("node-lookups", self._read_unassigned, max_queued=16384,
                                                       metrics=metrics, executor=executor)
@@ -101,13 +103,36 @@ class DesiredStore:
                 self.node_gen[name] = snap.generation
                 changed.append(name)
         self._swap(snap, changed)
+        self._ahead = {g: p for g, p in self._ahead.items() if g > snap.generation}
+        self._drain()
 
     def apply(self, generation: int, patch: Patch) -> None:
-        """A commit's rows patched in; the whole commit when it came right after this snapshot and declared
-        everything it changed, else the reload it asked for brings the rest."""
+        """A commit's rows patched in, in generation order: the whole commit when it declared everything it
+        changed, else the reload it asked for brings the rest. A patch whose predecessor has not arrived yet
+        (another worker's commit, its NOTIFY still on the way) waits for it :data:`GAP_SECONDS`, then a reload:
+        an older patch is never applied over a newer one."""
         old = self.snapshot
         if old.generation < 0 or generation <= old.generation:
             return  # not loaded yet, or already in (a reload got there first)
+        if generation > old.generation + 1:
+            self._ahead[generation] = patch
+            if self._loop is not None:
+                self._loop.call_later(GAP_SECONDS, self._gap, generation)
+            return
+        self._patch(generation, patch)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Apply the waiting patches that now follow the snapshot, in order."""
+        while (ahead := self._ahead.pop(self.snapshot.generation + 1, None)) is not None:
+            self._patch(self.snapshot.generation + 1, ahead)
+
+    def _gap(self, generation: int) -> None:
+        if self.snapshot.generation < generation:
+            self._poke.set()
+
+    def _patch(self, generation: int, patch: Patch) -> None:
+        old = self.snapshot
         new = old.patched(generation, patch)
         changed = []
         for nid in patch.rows:

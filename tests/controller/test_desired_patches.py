@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -33,6 +34,7 @@ from controller.desired.generation import (
 )
 from controller.desired.hub import DesiredHub
 from controller.desired.snapshot import load_snapshot
+from controller.desired.store import GAP_SECONDS
 from controller.rollouts import rollback
 from kernelctl import wire
 from tests.controller.enginekit import T0, Kit, generation, generation_kit
@@ -72,6 +74,44 @@ def test_a_full_heartbeat_declares_the_rows_it_changes(kit: Kit) -> None:
     with kit.tx() as s:
         registry.heartbeat(s, wire.HeartbeatRequest(node_name="gpu-000", active=[cand]), T0, heartbeat_seconds=5)
     assert seen and all(p.complete and p.rows for p in seen), seen
+
+
+def test_patches_apply_in_generation_order_whatever_order_they_arrive_in(kit: Kit, db_url: str) -> None:
+    """Another worker's commit g+1 (its NOTIFY on the way) and this process's g+2 touch one row: g+2 arriving
+    first waits for g+1, so the older row never overwrites the newer one; a predecessor that never comes
+    ends in a reload."""
+    rid, _stable, _cand = _stable_and_candidate(kit, nodes=2)
+
+    async def run() -> tuple[str, str, int, int]:
+        hub = DesiredHub(kit.factory, db_url, poll_seconds=60)
+        await hub.start()
+        try:
+            store = hub.store
+            await asyncio.sleep(0.3)
+            snap = store.snapshot
+            g, nid = snap.generation, snap.nodes["gpu-000"].id
+            row = snap.nodes["gpu-000"].rows["llm-fused"].view
+            canary = Patch(rows={nid: {"llm-fused": PatchRow(replace(row, rollout_id=rid, phase="staged"))}})
+            back = Patch(rows={nid: {"llm-fused": PatchRow(AssignmentView("llm-fused", row.stable_id,
+                                                                          row.stable_id, None, None))}})
+            store.apply(g + 2, back)  # the newer first: held
+            held = store.snapshot.generation
+            store.apply(g + 1, canary)  # the older: applied, then the newer after it
+            final = store.snapshot
+            after = final.nodes["gpu-000"].rows["llm-fused"].view
+            calls: list[int] = []
+            load = store._load_if_newer
+            store._load_if_newer = lambda have, unknown: (calls.append(have), load(have, unknown))[1]  # type: ignore
+            store.apply(final.generation + 2, back)  # its predecessor never comes: a reload after the gap
+            await asyncio.sleep(GAP_SECONDS + 0.5)
+            assert calls, "no reload after the gap"
+            return (str(after.rollout_id), str(after.phase), final.generation - g, held - g)
+        finally:
+            await hub.stop()
+
+    rollout_after, phase_after, advanced, held = asyncio.run(run())
+    assert held == 0  # g+2 alone changed nothing
+    assert advanced == 2 and (rollout_after, phase_after) == ("None", "None")  # the newer row stands
 
 
 def test_a_notice_carries_the_patch_when_it_fits() -> None:
