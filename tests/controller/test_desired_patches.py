@@ -77,9 +77,9 @@ def test_a_full_heartbeat_declares_the_rows_it_changes(kit: Kit) -> None:
 
 
 def test_patches_apply_in_generation_order_whatever_order_they_arrive_in(kit: Kit, db_url: str) -> None:
-    """Another worker's commit g+1 (its NOTIFY on the way) and this process's g+2 touch one row: g+2 arriving
-    first waits for g+1, so the older row never overwrites the newer one; a predecessor that never comes
-    ends in a reload."""
+    """Another worker's commit g+1 (its NOTIFY on the way) and this process's g+2 touch one row: g+2, arriving
+    first, is applied at once (its watches answer) but the generation waits for g+1, whose older row then
+    never overwrites the newer one; a predecessor that never comes ends in a reload."""
     rid, _stable, _cand = _stable_and_candidate(kit, nodes=2)
 
     async def run() -> tuple[str, str, int, int]:
@@ -94,8 +94,9 @@ def test_patches_apply_in_generation_order_whatever_order_they_arrive_in(kit: Ki
             canary = Patch(rows={nid: {"llm-fused": PatchRow(replace(row, rollout_id=rid, phase="staged"))}})
             back = Patch(rows={nid: {"llm-fused": PatchRow(AssignmentView("llm-fused", row.stable_id,
                                                                           row.stable_id, None, None))}})
-            store.apply(g + 2, back)  # the newer first: held
+            store.apply(g + 2, back)  # the newer first: its row at once, the generation held
             held = store.snapshot.generation
+            assert store.snapshot.nodes["gpu-000"].rows["llm-fused"].view.rollout_id is None
             store.apply(g + 1, canary)  # the older: applied, then the newer after it
             final = store.snapshot
             after = final.nodes["gpu-000"].rows["llm-fused"].view
