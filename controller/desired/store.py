@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,7 +33,6 @@ from kernelctl import wire
 log = logging.getLogger(__name__)
 UNKNOWN_RELOAD_SECONDS = 1.0  # a heartbeat from a node the snapshot does not know: reload this soon
 NOTIFY_DEFER_SECONDS = 0.05  # a NOTIFY is looked at this much later (this process's own patch lands first)
-GAP_SECONDS = 0.25  # a patch whose predecessor has not arrived: this long for it, then a reload
 
 
 class DesiredStore:
@@ -52,7 +50,6 @@ class DesiredStore:
         self._reloaded = asyncio.Event()
         self._unknown = False
         self._new: dict[str, NodeView] = {}  # added this turn of the loop (add_node, learn)
-        self._held: dict[int, Patch] = {}  # applied patches newer than the snapshot's generation
         self._row_gen: dict[Any, int] = {}  # (node id, bundle) or (rollout id, stratum) -> newest patch applied
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lookups: GroupCommit[str] = GroupCommit("node-lookups", self._read_unassigned, max_queued=16384,
@@ -95,7 +92,6 @@ class DesiredStore:
             self._loop.call_later(UNKNOWN_RELOAD_SECONDS, self._poke.set)
 
     def install(self, snap: Snapshot) -> None:
-        """A reloaded snapshot; the patches newer than it that were applied before are applied again on it."""
         old = self.snapshot
         if snap.generation < old.generation:
             return
@@ -106,16 +102,13 @@ class DesiredStore:
                 self.node_gen[name] = snap.generation
                 changed.append(name)
         self._swap(snap, changed)
-        held = sorted((g, p) for g, p in self._held.items() if g > snap.generation)
-        self._held, self._row_gen = {}, {}
-        for g, p in held:
-            self.apply(g, p)
+        self._row_gen = {k: g for k, g in self._row_gen.items() if g > snap.generation}
 
     def apply(self, generation: int, patch: Patch) -> None:
-        """A commit's rows patched in at once (their watches answer); the snapshot's generation moves past it
-        when every commit up to it came with a complete patch, else the reload it asked for brings the rest.
-        Commits of other workers arrive by NOTIFY, so patches may come out of order: a row (or a stratum) is
-        only ever replaced by a newer commit's, never an older one's."""
+        """A commit's rows patched in; the whole commit when it came right after this snapshot and declared
+        everything it changed, else the reload it asked for brings the rest. Commits of other workers arrive
+        by NOTIFY, so patches may come out of order: a row (or a stratum) is only ever replaced by a newer
+        commit's, never an older one's."""
         old = self.snapshot
         if old.generation < 0 or generation <= old.generation:
             return  # not loaded yet, or already in (a reload got there first)
@@ -127,33 +120,15 @@ class DesiredStore:
                 self._row_gen[(nid, b)] = generation
         for k in strata:
             self._row_gen[k] = generation
-        new = old.patched(old.generation, Patch(rows=rows, strata=strata, complete=False))
+        new = old.patched(generation, Patch(rows=rows, strata=strata, complete=patch.complete))
         changed = []
         for nid in rows:
             name = old.by_id.get(nid)
             if name is not None and old.nodes[name].key != new.nodes[name].key:
                 self.node_gen[name] = generation
                 changed.append(name)
-        self._held[generation] = patch
         self._swap(new, changed)
-        self._advance()
-        if not patch.complete:
-            self._poke.set()
-        elif self.snapshot.generation < generation and self._loop is not None:
-            self._loop.call_later(GAP_SECONDS, self._gap, generation)
-
-    def _advance(self) -> None:
-        """The snapshot's generation past every held complete patch that follows it."""
-        gen = self.snapshot.generation
-        while (p := self._held.get(gen + 1)) is not None and p.complete:
-            gen += 1
-        if gen > self.snapshot.generation:
-            self.snapshot = replace(self.snapshot, generation=gen)
-            self._held = {g: p for g, p in self._held.items() if g > gen}
-            self._row_gen = {k: g for k, g in self._row_gen.items() if g > gen}
-
-    def _gap(self, generation: int) -> None:
-        if self.snapshot.generation < generation:  # an earlier commit's patch never came: reload
+        if new.generation < generation:
             self._poke.set()
 
     def add_node(self, node_id: int, name: str, inventory: wire.Inventory) -> None:
