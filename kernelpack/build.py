@@ -25,6 +25,7 @@ from typing import Any
 
 import triton
 from pydantic import ValidationError
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random
 
 from kernelpack.aot import Job, cached, compile_jobs, compile_lock, default_cache_dir, representative_specs
 from kernelpack.archive import write_archive
@@ -68,10 +69,18 @@ def _package_kernels_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+# CPython 3.11 before 3.11.8 (gh-106905): ast.parse may raise this SystemError when another thread builds an AST
+# at the same time (Triton's JIT parses kernel sources); the same parse again succeeds.
+@retry(retry=retry_if_exception(lambda e: isinstance(e, SystemError) and "recursion depth mismatch" in str(e)),
+       stop=stop_after_attempt(5), wait=wait_random(0, 0.05), reraise=True)
+def _parse(data: bytes, filename: str) -> ast.Module:
+    return ast.parse(data, filename=filename)
+
+
 def _check_imports(label: str, data: bytes) -> set[str]:
     """Enforce the bundle import rules; return the sibling modules imported relatively."""
     try:
-        tree = ast.parse(data, filename=label)
+        tree = _parse(data, filename=label)
     except SyntaxError as exc:
         raise BuildError(f"{label}: syntax error at line {exc.lineno}: {exc.msg}") from exc
     siblings: set[str] = set()
