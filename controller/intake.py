@@ -112,8 +112,9 @@ def store_many(factory: sessionmaker[Session], batches: list[wire.ReportBatch]) 
     with session_scope(factory) as session:
         # the batches written in node id order: verifying a canary updates its assignment row, and every writer of
         # many nodes' rows takes them in that order (controller.desired.liveness), so no lock cycle with a switch
-        # batch or the liveness flush (two deadlocks in one 10,000-node run when written in arrival order)
-        ids = dict(session.execute(select(Node.name, Node.id).where(Node.name.in_({b.node_name for b in batches}))).all())
+        # batch or the liveness flush (written in arrival order, they deadlocked in a 10,000-node run)
+        names = {b.node_name for b in batches}
+        ids = dict(session.execute(select(Node.name, Node.id).where(Node.name.in_(names))).all())
         for i in sorted(range(len(batches)), key=lambda i: (ids.get(batches[i].node_name, 0), i)):
             batch = batches[i]
             for attempt in range(3):
