@@ -82,7 +82,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *, process: bool =
     logging.getLogger("alembic").setLevel(logging.WARNING)  # no "Context impl" lines on every /readyz
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,9 +91,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
+    sock.listen(backlog)  # the kernel caps it at net.core.somaxconn
+    somaxconn = _somaxconn()
+    if somaxconn is not None and somaxconn < backlog:
+        log.warning("listen backlog %d capped at net.core.somaxconn %d: a fleet starting together may overflow "
+                    "it (raise net.core.somaxconn)", backlog, somaxconn)
     sock.set_inheritable(True)
     return sock
+
+
+def _somaxconn() -> int | None:
+    try:
+        return int(Path("/proc/sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _upgrade_embedded_database(url: str) -> None:
@@ -280,7 +291,7 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     if max_connections < settings.max_connections:
         log.warning("max_connections %d lowered to %d: the file-descriptor limit (ulimit -n) is %d",
                     settings.max_connections, max_connections, fd_limit)
-    sock = bind_socket(settings.listen_host, settings.listen_port)
+    sock = bind_socket(settings.listen_host, settings.listen_port, settings.listen_backlog)
     host, port = sock.getsockname()[:2]
     if settings.public_url is None and host not in ("0.0.0.0", "::"):  # notifications link to the bound address
         shown = f"[{host}]" if ":" in host else host

@@ -97,6 +97,10 @@ class Settings(BaseSettings):
         "agent holds a watch open, and a fleet-wide change briefly doubles the requests in flight (replies going "
         "out while the next watches come in). The file-descriptor limit is raised to its hard limit at start; this is "
         "lowered to 256 below it, so a connection over it is still accepted and answered 503.")
+    listen_backlog: int = Field(
+        4096, gt=0, le=1 << 20, description="Connections the kernel queues for accept on the listening socket (Linux "
+        "caps it at net.core.somaxconn: raise that too). 10,000 agents starting together overflowed a queue of 2,048 "
+        "(SYNs dropped: connect timeouts, requests answered late, connections closed before a reply).")
     http_impl: str = Field("auto", pattern="^(auto|httptools|h11)$", description="HTTP/1.1 parser of `kernelctl "
                            "serve`: httptools (C, the default when installed) or h11 (pure Python); auto picks "
                            "httptools when it is installed. Both enforce the header deadline and size limit.")
