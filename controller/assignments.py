@@ -345,9 +345,8 @@ def advance_phases(session: Session, node: Node, rows: dict[str, Assignment], re
                          bundle=ref(e.row.active_id), rollout_id=a.rollout_id, reason=e.refused)
         if not e.changed:
             continue
-        r = e.row  # declared as the batch writer declares it (controller.switches): replicas patch, no reload
-        changed(session, rows={node.id: {name: PatchRow(AssignmentView(name, r.desired_id, r.stable_id, r.rollout_id,
-                                                                       r.phase), r.active_id)}})
+        # declared as the batch writer declares it (controller.switches): replicas patch, no reload
+        changed(session, rows={node.id: {name: PatchRow(e.row.view, e.row.active_id)}})
         a.phase, a.phase_at = e.row.phase, e.row.phase_at
         if e.switched:
             a.active_bundle_id, a.updated_at = e.row.active_id, now

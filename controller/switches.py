@@ -86,7 +86,7 @@ def record_switches(session: Session, items: list[Switch]) -> list[Switched | ob
         result: dict[str, tuple[AssignmentView, int | None]] = {}
         for name, e in effects.rows.items():
             r = e.row
-            view = AssignmentView(name, r.desired_id, r.stable_id, r.rollout_id, r.phase)
+            view = r.view
             result[name] = (view, r.active_id)
             if e.changed or e.refused:
                 writes.append((it, name, e))

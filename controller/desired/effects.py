@@ -52,6 +52,11 @@ class RowFacts:
     def candidate(self) -> bool:
         return self.rollout_id is not None and self.desired_id is not None and self.desired_id != self.stable_id
 
+    @property
+    def view(self) -> AssignmentView:
+        """What desired state depends on in this row (what a writer declares, what replicas patch in)."""
+        return AssignmentView(self.bundle_name, self.desired_id, self.stable_id, self.rollout_id, self.phase)
+
 
 @dataclass(frozen=True)
 class RowEffect:
