@@ -749,7 +749,8 @@ def test_reads_never_hold_back_a_rollback(ctl: ControllerProcess, bundles: TestB
 
         made = kctl("token", "create", "--role", "viewer", "--name", "fresh-viewer", "--db", ctl.db_url)
         assert made.returncode == 0, made.stderr  # a token no replica has cached: its lookup is a read too
-        lock = sqlite3.connect(ctl.db_url.removeprefix("sqlite:///"), timeout=0, isolation_level=None)
+        # waits for the controller's own writes (a tick, a group commit) to finish, then holds the lock
+        lock = sqlite3.connect(ctl.db_url.removeprefix("sqlite:///"), timeout=30, isolation_level=None)
         lock.execute("BEGIN IMMEDIATE")
         try:
             with ctl.client(token=made.stdout.strip(), timeout=20) as v:
