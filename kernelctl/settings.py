@@ -63,6 +63,12 @@ class Settings(BaseSettings):
         16384, gt=0, description="Most group-committed agent writes (registrations, version switches) and heartbeats "
         "that need the full transaction queued at "
         "once per replica; more are answered 503 with Retry-After.")
+    queue_deadline_seconds: float = Field(
+        5.0, gt=0, le=600, description="A group-committed agent write (registration, version switch) still queued "
+        "this long is answered 503 with Retry-After instead of written, and while the oldest waits longer than "
+        "this, new ones are refused at once: its agent (request timeout 10 s) has given up or soon will, and "
+        "writing abandoned requests is how an overloaded controller falls further behind. Keep it under the "
+        "agents' request timeout.")
     max_watches_per_node: int = Field(
         4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "
         "holds one); more are answered 429.")

@@ -291,6 +291,7 @@ def build_state(settings: Settings) -> AppState:
     hub = DesiredHub(factory, settings.database_url, poll_seconds=settings.watch_poll_seconds,
                      liveness_flush_seconds=settings.liveness_flush_seconds,
                      max_pending_writes=settings.max_pending_writes, max_queued_writes=settings.max_queued_writes,
+                     queue_deadline_seconds=settings.queue_deadline_seconds,
                      max_watches_per_node=settings.max_watches_per_node, ingest_processes=settings.ingest_processes,
                      max_report_batch=settings.max_report_batch, metrics=metrics)
     state = AppState(

@@ -58,13 +58,14 @@ class DesiredHub:
 
     def __init__(self, factory: sessionmaker[Session], database_url: str, *, poll_seconds: float = 2.0,
                  min_reload_seconds: float = 0.05, liveness_flush_seconds: float = 1.0,
-                 max_pending_writes: int = 64, max_queued_writes: int = 16384, max_watches_per_node: int = 4,
+                 max_pending_writes: int = 64, max_queued_writes: int = 16384,
+                 queue_deadline_seconds: float | None = None, max_watches_per_node: int = 4,
                  ingest_processes: int = 0, max_report_batch: int = 1000, metrics: Any = None) -> None:
         self.flush_seconds = liveness_flush_seconds
         self.metrics = metrics
         self.waiters = Waiters(max_watches_per_node)
         self.writers = Writers(factory, max_pending_writes=max_pending_writes, max_queued_writes=max_queued_writes,
-                               metrics=metrics, ingest_processes=ingest_processes, database_url=database_url,
+                               queue_deadline_seconds=queue_deadline_seconds, metrics=metrics, ingest_processes=ingest_processes, database_url=database_url,
                                max_report_batch=max_report_batch,
                                on_commit=lambda generation, patch: self.store.committed(generation, patch))
         self.control = self.writers.control.executor  # reloads and flushes: never behind report ingest

@@ -49,7 +49,8 @@ class Writers:
     reloads and liveness flushes)."""
 
     def __init__(self, factory: sessionmaker[Session], *, max_pending_writes: int = 64,
-                 max_queued_writes: int = 16384, metrics: Any = None, ingest_processes: int = 0,
+                 max_queued_writes: int = 16384, queue_deadline_seconds: float | None = None, metrics: Any = None,
+                 ingest_processes: int = 0,
                  database_url: str = "", max_report_batch: int = 1000,
                  on_commit: Callable[[int, Patch], None] | None = None) -> None:
         self.factory = factory
@@ -66,11 +67,11 @@ class Writers:
             "reports", functools.partial(intake.store_many, factory), max_batch=256, max_queued=max_pending_writes,
             metrics=metrics, executor=ThreadPoolExecutor(1, thread_name_prefix="kctl-report-commit"))
         self.registrations: GroupCommit[Registration] = GroupCommit(
-            "registrations", self._write_registrations, max_queued=max_queued_writes, metrics=metrics,
-            executor=self.control.executor)
+            "registrations", self._write_registrations, max_queued=max_queued_writes,
+            deadline_seconds=queue_deadline_seconds, metrics=metrics, executor=self.control.executor)
         self.switches: GroupCommit[Switch] = GroupCommit(
-            "switches", self._write_switches, max_queued=max_queued_writes, metrics=metrics,
-            executor=self.control.executor)
+            "switches", self._write_switches, max_queued=max_queued_writes,
+            deadline_seconds=queue_deadline_seconds, metrics=metrics, executor=self.control.executor)
 
     def start(self) -> None:
         self.registrations.start()

@@ -209,3 +209,46 @@ def test_a_verified_canary_is_patched_into_the_snapshot_without_a_reload(kit: Ki
             await hub.stop()
 
     asyncio.run(run())
+
+
+def test_writes_queued_past_the_deadline_are_refused_not_written() -> None:
+    """A write that waited longer than the deadline is answered 503 (Overloaded) instead of written, and while
+    the oldest queued write is that old, new ones are refused at once; once the queue is served, writes go in
+    again. Without the deadline every abandoned request was written (a registration storm, docs/benchmarks.md)."""
+    import threading
+
+    from controller.errors import Overloaded
+    from controller.group_commit import GroupCommit
+
+    written: list[str] = []
+    release = threading.Event()
+
+    def write(items: list[str]) -> list[str]:
+        if items == ["first"]:
+            release.wait(10)  # the writer is busy with the first batch while the others queue
+        written.extend(items)
+        return items
+
+    async def main() -> dict[str, object]:
+        gc: GroupCommit[str] = GroupCommit("things", write, deadline_seconds=0.2)
+        gc.start()
+        first = asyncio.ensure_future(gc.submit("first"))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(gc.submit(x)) for x in ("second", "third")]
+        await asyncio.sleep(0.3)  # the queued ones are past the deadline now
+        with pytest.raises(Overloaded, match="wait more than 0.2 s"):
+            await gc.submit("refused at once")
+        release.set()
+        out = {"first": await first}
+        for name, fut in zip(("second", "third"), queued, strict=True):
+            out[name] = await asyncio.gather(fut, return_exceptions=True)
+        out["later"] = await gc.submit("later")  # the queue was served: written again
+        await gc.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert out["first"] == "first" and out["later"] == "later"
+    for name in ("second", "third"):
+        (err,) = out[name]
+        assert isinstance(err, Overloaded) and "waited more than 0.2 s" in str(err) and err.retry_after >= 1, err
+    assert written == ["first", "later"]  # the abandoned writes were never written
