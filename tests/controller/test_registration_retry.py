@@ -104,6 +104,44 @@ def test_an_original_answered_after_its_retry_does_not_revoke_the_retry_token(ki
                 authenticate(s, old.token)
 
 
+def test_re_registrations_are_written_together_and_the_latest_attempt_of_a_node_wins(kit: Kit) -> None:
+    """A storm of retries (issue 28): many nodes registering again in one batch, some with several attempts
+    queued together. Per node the latest attempt is taken (the earlier ones are answered superseded: their agent
+    timed out on them), its inventory and the state active written, its earlier tokens revoked, one token live;
+    the changelog says what changed, per node, as a registration one at a time did."""
+    with kit.tx() as s:
+        first = register_many(s, [_reg(f"gpu-s{i}", KEY, sent_at_ns=100) for i in range(4)], now=T0)
+        s.execute(Node.__table__.update().where(Node.name == "gpu-s1").values(state="stale"))
+    batch = [_reg("gpu-s0", KEY, sent_at_ns=200), _reg("gpu-s0", KEY, sent_at_ns=300, driver_version="580.1"),
+             _reg("gpu-s1", KEY, sent_at_ns=200), _reg("gpu-s2", KEY, sent_at_ns=50),  # older than its last
+             _reg("gpu-s3", KEY, sent_at_ns=400), _reg("gpu-s3", KEY, sent_at_ns=300)]  # the older one queued last
+    with kit.tx() as s:
+        out = register_many(s, batch, now=T0)
+    assert isinstance(out[0], Conflict) and "superseded" in str(out[0])
+    assert isinstance(out[1], Registered) and not out[1].new and out[1].node_id == first[0].node_id
+    assert isinstance(out[2], Registered) and isinstance(out[4], Registered)
+    assert isinstance(out[3], Conflict) and isinstance(out[5], Conflict)
+    with kit.tx() as s:
+        rows = {r.name: r for r in s.execute(select(Node.name, Node.state, Node.driver_version,
+                                                    Node.registration_sent_ns))}
+        for name, reply in (("gpu-s0", out[1]), ("gpu-s1", out[2]), ("gpu-s3", out[4])):
+            assert authenticate(s, reply.token).node == name
+        for old in first[:2] + first[3:]:
+            with pytest.raises(Exception, match="revoked"):
+                authenticate(s, old.token)
+        assert authenticate(s, first[2].token).node == "gpu-s2"  # its late attempt changed nothing
+    assert rows["gpu-s0"].driver_version == "580.1" and rows["gpu-s0"].registration_sent_ns == 300
+    assert rows["gpu-s1"].state == "active" and rows["gpu-s3"].registration_sent_ns == 400
+    assert rows["gpu-s2"].registration_sent_ns == 100
+    node_events = {n: [e.action for e in kit.events(node=n)][1:] for n in ("gpu-s0", "gpu-s1", "gpu-s2")}
+    assert node_events["gpu-s0"] == ["token.created", "node.inventory_changed", "token.revoked", "token.created",
+                                     "token.node_reissued"], node_events
+    assert node_events["gpu-s1"] == ["token.created", "node.active", "token.revoked", "token.created",
+                                     "token.node_reissued"], node_events
+    assert node_events["gpu-s2"] == ["token.created"], node_events
+    assert kit.events("node.inventory_changed")[-1].payload["driver_version"]["to"] == "580.1"
+
+
 def test_a_row_that_does_not_fit_its_column_is_refused_alone(kit: Kit) -> None:
     items = [_reg(f"gpu-{i:02d}") for i in range(36)]
     items[17] = _reg("gpu-17", memory_total_mb=2**31)  # one past INTEGER's range
