@@ -86,12 +86,40 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+class LoopLag:
+    """How late the simulator's own event loop runs (a timer every 50 ms, its lateness recorded): the
+    simulator measures itself, so that a latency it reports (decision -> stable is when an agent *processed*
+    the reply) can be told apart from the simulator's own backlog on a busy machine."""
+
+    PERIOD_S = 0.05
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (monotonic time, lateness in seconds)
+
+    async def run(self) -> None:
+        while True:
+            due = time.monotonic() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            now = time.monotonic()
+            self.samples.append((now, max(0.0, now - due)))
+
+    def summary(self, since: float | None = None) -> dict[str, float | None]:
+        lags = sorted(lag for t, lag in self.samples if since is None or t >= since)
+        if not lags:
+            return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+        at = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))] * 1000, 1)  # noqa: E731
+        return {"p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(lags[-1] * 1000, 1)}
+
+
 async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tokens: dict[str, str],
                    db_url: str) -> dict[str, Any]:
     sc = cfg.scenario
     stats = Stats()
     t_start = time.monotonic()
     cpu0 = _cpu_s()
+    lag = LoopLag()
+    lag_task = asyncio.create_task(lag.run())
+    t_roll: float | None = None
     hard_deadline = t_start + cfg.duration_limit
     for v in (BASELINE, sc.candidate):
         await asyncio.to_thread(operator.push, ctl.url, tokens["operator"], bundles.files[v])
@@ -138,12 +166,13 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
             detail = {**detail, "timed_out": True, "aborted": str(exc)}  # measured so far, reported as a timeout
         finally:
             fleet.running = False
+            lag_task.cancel()
             for t in tasks:
                 t.cancel()
             for a in fleet.agents:
                 if a.trial_task is not None:
                     a.trial_task.cancel()
-            await asyncio.gather(*tasks, *(a.trial_task for a in fleet.agents if a.trial_task),
+            await asyncio.gather(lag_task, *tasks, *(a.trial_task for a in fleet.agents if a.trial_task),
                                  return_exceptions=True)
         await fleet.final_flush()
         await fleet.aclose()
@@ -160,7 +189,8 @@ async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tok
                         "cpu_s": round(cpu, 2), "cpu_share": round(cpu / wall, 3) if wall else None,
                         "requests": n, "cpu_ms_per_request": round(cpu / n * 1000, 3) if n else None,
                         "connections_opened": fleet.http.opened if fleet.http else 0,
-                        "retried_after_close": fleet.http.retried if fleet.http else 0}
+                        "retried_after_close": fleet.http.retried if fleet.http else 0,
+                        "loop_lag": lag.summary(), "loop_lag_rollout": lag.summary(t_roll) if t_roll else None}
     return res
 
 
