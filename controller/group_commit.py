@@ -17,6 +17,7 @@ controller that wrote everything it queued spent its capacity on abandoned reque
 the more it was asked (10,000 agents registering on a machine with a core taken: 37,291 registrations written
 for 6,988 nodes in 418 s, docs/benchmarks.md). Shedding by age keeps the queue as short as the writer can
 serve within the deadline, and the clients back off on the Retry-After.
+
 Batches run on ``executor`` (the replica's control-plane threads: ``controller.desired.lanes``), never behind
 the report ingest's work.
 """

@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,26 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 100)
+    if _log_long_collection not in gc.callbacks:
+        gc.callbacks.append(_log_long_collection)
+
+
+GC_PAUSE_WARN_SECONDS = 0.1  # a collection this long stalls the event loop past the heartbeat goal (200 ms p99)
+_gc_started = [0.0]
+
+
+def _log_long_collection(phase: str, info: dict[str, int]) -> None:
+    """(gc callback) A collection that held the GIL longer than ``GC_PAUSE_WARN_SECONDS`` is logged with its
+    generation and what it scanned and freed: every request of the process stood still that long. (Logging
+    takes re-entrant locks only, so a collection that starts inside a log call cannot deadlock here.)"""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    if took >= GC_PAUSE_WARN_SECONDS:
+        log.warning("garbage collection of generation %d took %.0f ms (the process stood still): %d collected, "
+                    "%d uncollectable", info.get("generation", -1), took * 1000, info.get("collected", 0),
+                    info.get("uncollectable", 0))
 
 
 FD_RESERVE = 256  # descriptors kept from connections: database pool, log and data files, listener, the

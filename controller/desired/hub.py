@@ -65,7 +65,8 @@ class DesiredHub:
         self.metrics = metrics
         self.waiters = Waiters(max_watches_per_node)
         self.writers = Writers(factory, max_pending_writes=max_pending_writes, max_queued_writes=max_queued_writes,
-                               queue_deadline_seconds=queue_deadline_seconds, metrics=metrics, ingest_processes=ingest_processes, database_url=database_url,
+                               queue_deadline_seconds=queue_deadline_seconds, metrics=metrics,
+                               ingest_processes=ingest_processes, database_url=database_url,
                                max_report_batch=max_report_batch,
                                on_commit=lambda generation, patch: self.store.committed(generation, patch))
         self.control = self.writers.control.executor  # reloads and flushes: never behind report ingest

@@ -236,7 +236,7 @@ def test_writes_queued_past_the_deadline_are_refused_not_written() -> None:
         await asyncio.sleep(0.05)
         queued = [asyncio.ensure_future(gc.submit(x)) for x in ("second", "third")]
         await asyncio.sleep(0.3)  # the queued ones are past the deadline now
-        with pytest.raises(Overloaded, match="wait more than 0.2 s"):
+        with pytest.raises(Overloaded, match=r"wait more than 0\.2 s"):
             await gc.submit("refused at once")
         release.set()
         out = {"first": await first}
