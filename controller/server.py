@@ -139,21 +139,23 @@ def settle_heap() -> None:
 
 
 GC_PAUSE_WARN_SECONDS = 0.1  # a collection this long stalls the event loop past the heartbeat goal (200 ms p99)
-_gc_started = [0.0]
+_gc_started = [0.0, 0.0]  # wall clock and this thread's CPU time when the running collection started
 
 
 def _log_long_collection(phase: str, info: dict[str, int]) -> None:
     """(gc callback) A collection that held the GIL longer than ``GC_PAUSE_WARN_SECONDS`` is logged with its
-    generation and what it scanned and freed: every request of the process stood still that long. (Logging
-    takes re-entrant locks only, so a collection that starts inside a log call cannot deadlock here.)"""
+    generation, the CPU time it used (the rest of its wall time the process waited for a core: a busy machine)
+    and what it freed: every request of the process stood still that long. (Logging takes re-entrant locks
+    only, so a collection that starts inside a log call cannot deadlock here.)"""
     if phase == "start":
-        _gc_started[0] = time.perf_counter()
+        _gc_started[0], _gc_started[1] = time.perf_counter(), time.thread_time()
         return
     took = time.perf_counter() - _gc_started[0]
     if took >= GC_PAUSE_WARN_SECONDS:
-        log.warning("garbage collection of generation %d took %.0f ms (the process stood still): %d collected, "
-                    "%d uncollectable", info.get("generation", -1), took * 1000, info.get("collected", 0),
-                    info.get("uncollectable", 0))
+        cpu = time.thread_time() - _gc_started[1]
+        log.warning("garbage collection of generation %d took %.0f ms, %.0f ms of it on a CPU (the process stood "
+                    "still): %d collected, %d uncollectable", info.get("generation", -1), took * 1000, cpu * 1000,
+                    info.get("collected", 0), info.get("uncollectable", 0))
 
 
 FD_RESERVE = 256  # descriptors kept from connections: database pool, log and data files, listener, the
