@@ -28,7 +28,7 @@ from sim.fleet.agents import Fleet, Stats
 from sim.fleet.bundles import SimBundles, default_bundle_cache, prepare_bundles
 from sim.fleet.config import BASELINE, FleetConfig, SimError, SimTimeout
 from sim.fleet.database import database, stale_marks, stored_report_keys
-from sim.fleet.report import summarise
+from sim.fleet.report import pct, summarise
 
 REGISTER_RAMP_PER_S = 400.0  # agents start over nodes / this many seconds (at most one heartbeat period)
 
@@ -104,11 +104,9 @@ class LoopLag:
             self.samples.append((now, max(0.0, now - due)))
 
     def summary(self, since: float | None = None) -> dict[str, float | None]:
-        lags = sorted(lag for t, lag in self.samples if since is None or t >= since)
-        if not lags:
-            return {"p50_ms": None, "p99_ms": None, "max_ms": None}
-        at = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))] * 1000, 1)  # noqa: E731
-        return {"p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(lags[-1] * 1000, 1)}
+        lags = [lag * 1000 for t, lag in self.samples if since is None or t >= since]
+        ms = lambda v: None if v is None else round(v, 1)  # noqa: E731
+        return {"p50_ms": ms(pct(lags, 50)), "p99_ms": ms(pct(lags, 99)), "max_ms": ms(max(lags, default=None))}
 
 
 async def simulate(cfg: FleetConfig, ctl: ServeProcess, bundles: SimBundles, tokens: dict[str, str],

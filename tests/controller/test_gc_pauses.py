@@ -28,6 +28,5 @@ def test_a_long_collection_is_logged_and_a_short_one_is_not(caplog: pytest.LogCa
         assert "garbage collection" not in caplog.text  # well under the threshold
         monkeypatch.setattr(server, "GC_PAUSE_WARN_SECONDS", 0.0)
         _collect(1)
-    assert re.search(r"garbage collection of generation 1 took \d+ ms, \d+ ms of it on a CPU \(the process stood still\): "
-                     r"\d+ collected",
-                     caplog.text), caplog.text
+    line = r"garbage collection of generation 1 took \d+ ms, \d+ ms of it on a CPU \(the process stood still\): \d+"
+    assert re.search(line, caplog.text), caplog.text
