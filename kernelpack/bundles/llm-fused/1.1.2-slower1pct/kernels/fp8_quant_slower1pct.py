@@ -1,8 +1,0 @@
-"""llm-fused 1.1.2-slower1pct: the stable fp8_quant, its kernels reading 1% more bytes (:mod:`slower_common`)."""
-
-from __future__ import annotations
-
-from . import slower_common
-from . import stable_fp8_quant as base
-
-OP = slower_common.slowed(base.OP, base)

@@ -1,8 +1,0 @@
-"""llm-fused 1.1.3-slower1pct: the stable add_rmsnorm, each of its kernels 1% longer on a GPU (:mod:`slower_common`)."""
-
-from __future__ import annotations
-
-from . import slower_common
-from . import stable_add_rmsnorm as base
-
-OP = slower_common.slowed(base.OP, base)

@@ -1,8 +1,0 @@
-"""llm-fused 1.1.4-slower1pct: the stable add_layernorm, each of its launches about 1% longer on a GPU (:mod:`slower_common`)."""
-
-from __future__ import annotations
-
-from . import slower_common
-from . import stable_add_layernorm as base
-
-OP = slower_common.slowed(base.OP, base)

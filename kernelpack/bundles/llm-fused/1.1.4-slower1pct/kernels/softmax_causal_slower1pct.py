@@ -1,8 +1,0 @@
-"""llm-fused 1.1.4-slower1pct: the stable softmax_causal, each of its launches about 1% longer on a GPU (:mod:`slower_common`)."""
-
-from __future__ import annotations
-
-from . import slower_common
-from . import stable_softmax_causal as base
-
-OP = slower_common.slowed(base.OP, base)
