@@ -199,11 +199,9 @@ def _reregister_many(session: Session, items: list[Registration], again: list[in
         new = it.req.inventory.model_dump()
         diff = inventory_diff(row._mapping, new)
         if diff:
-            events.append(event_row(at=now, actor=it.actor, action="node.inventory_changed", subject=f"node:{name}",
-                                    node=name, payload=diff))
+            events.append(event_row(at=now, actor=it.actor, **inventory_changed_event(name, diff)))
         if row.state != "active":
-            events.append(event_row(at=now, actor=it.actor, action="node.active", subject=f"node:{name}", node=name,
-                                    reason="heartbeat received"))
+            events.append(event_row(at=now, actor=it.actor, **active_event(name)))
         if diff or row.state != "active":
             changed(session)
         updates.append({"b_id": row.id, "state": "active", "last_heartbeat_at": now,
@@ -213,6 +211,16 @@ def _reregister_many(session: Session, items: list[Registration], again: list[in
     if events:
         conn.execute(insert(Event), events)
     _tokens_for(conn, items, winner, {name: locked[name].id for name in winner}, now, out, new=False)
+
+
+def inventory_changed_event(name: str, diff: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The fields of a ``node.inventory_changed`` event (the ORM and the set-based writers both record it)."""
+    return {"action": "node.inventory_changed", "subject": f"node:{name}", "node": name, "payload": diff}
+
+
+def active_event(name: str) -> dict[str, Any]:
+    """The fields of a ``node.active`` event: a node not active (stale, or registering again) is active again."""
+    return {"action": "node.active", "subject": f"node:{name}", "node": name, "reason": "heartbeat received"}
 
 
 def inventory_diff(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -229,8 +237,7 @@ def apply_inventory(session: Session, node: Node, inventory: wire.Inventory, *, 
     for k in diff:
         setattr(node, k, new[k])
     changed(session)
-    record_event(session, actor=actor, action="node.inventory_changed", subject=f"node:{node.name}",
-                 node=node.name, payload=diff)
+    record_event(session, actor=actor, **inventory_changed_event(node.name, diff))
     return True
 
 
@@ -238,8 +245,7 @@ def mark_active(session: Session, node: Node, *, actor: str) -> None:
     if node.state != "active":
         node.state = "active"
         changed(session)
-        record_event(session, actor=actor, action="node.active", subject=f"node:{node.name}", node=node.name,
-                     reason="heartbeat received")
+        record_event(session, actor=actor, **active_event(node.name))
 
 
 def _tokens_for(conn: Any, items: list[Registration], created: dict[str, int], ids: dict[str, int],
