@@ -147,7 +147,9 @@ def test_tail_spread_and_warmup_roll_back_on_the_statistic_they_move(swiglu: Bui
                                                                      stats: tuple[str, ...]) -> None:
     """Issue 25's candidates the old estimator (fastest quarter of each arm's medians) let through: a slow tail
     (mean +15-20% under the CPU plan's 25% margin: the p99 decides), a spread-out run time and a slowdown after
-    the first calls (mean and p99 both past their margins). Each report times individual calls of both arms."""
+    the first calls (mean and p99 both past their margins). Each report times individual calls of both arms; the
+    judge may hold on three reports when a busy machine blurred one (it then gets up to three more, as it would
+    from the fleet), but never promotes."""
     reports = [trial(swiglu, node, tmp_path, f"1.2.0-fault.{fixture}", key=f"n1:{fixture}-{i:04d}") for i in range(3)]
     assert all(r.outcome == "ok" for r in reports), [r.detail for r in reports]
     cells = {(c.op, c.tokens): c for c in reports[0].cells}
@@ -156,6 +158,9 @@ def test_tail_spread_and_warmup_roll_back_on_the_statistic_they_move(swiglu: Bui
     assert cells and all(c.stable.n == c.candidate.n == 12 - 2 * c.contended_windows >= 10
                          for c in cells.values()), cells
     decision, gate, metric, reason = judge(reports, repeat=8)
+    while decision == "hold" and len(reports) < 6:  # a busy machine's noisy report: the judge waits for more
+        reports.append(trial(swiglu, node, tmp_path, f"1.2.0-fault.{fixture}", key=f"n1:{fixture}-{len(reports):04d}"))
+        decision, gate, metric, reason = judge(reports, repeat=8)
     assert (decision, gate) == ("rollback", "latency") and metric is not None, reason
     assert metric.startswith("latency:swiglu@") and metric.rsplit(":", 1)[1] in stats, reason
 
