@@ -11,6 +11,7 @@ compile to the same code (the wait is a run-time argument)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,23 +76,26 @@ print(k.asm["ptx"])
 """
 
 
-def _sm90_ptx(version: str) -> str:
+def _sm90_ptx(version: str, cache: Path) -> str:
+    """The PTX of the bundle's swiglu wrapper (compiled into ``cache``) without comments and debug line info."""
     import os
+    import re
     import subprocess
-    from pathlib import Path
 
     common = Path(__file__).parents[2] / f"kernelpack/bundles/llm-fused/{version}/kernels/slower_common.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache)}
     r = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(common)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=Path(__file__).parents[2])
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+    code = r.stdout.split(".section\t.debug", 1)[0]  # the debug sections hold file names and line numbers
+    return "\n".join(line for line in (re.sub(r"//.*", "", x).rstrip() for x in code.splitlines())
+                     if line and not line.lstrip().startswith((".file", ".loc")))
 
 
-def test_the_timed_wrappers_compile_for_sm90_to_the_same_code_with_the_wait_loop() -> None:
+def test_the_timed_wrappers_compile_for_sm90_to_the_same_code_with_the_wait_loop(tmp_path: Path) -> None:
     """The wrapper of the stable swiglu kernel, compiled for sm_90 (a child without TRITON_INTERPRET): the wait
     is a loop in PTX on the SM's cycle counter, and 1.1.5-slower0pct's wrapper is the same code as
     1.1.5-slower1pct's, so between the two only the run-time wait differs."""
-    zero, one = _sm90_ptx("1.1.5-slower0pct"), _sm90_ptx("1.1.5-slower1pct")
+    zero, one = _sm90_ptx("1.1.5-slower0pct", tmp_path / "0"), _sm90_ptx("1.1.5-slower1pct", tmp_path / "1")
     assert one.count("%clock64") >= 2 and "@p bra SPIN" in one, one[-2000:]
     assert zero == one
