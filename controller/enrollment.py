@@ -152,7 +152,8 @@ def _same_agent(stored: str | None, key_hash: str | None) -> bool:
 
 
 def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
-    return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "state": "active",
+    return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "last_registered_at": now,
+            "state": "active",
             "registration_key_hash": it.key_hash, "registration_sent_ns": it.req.sent_at_ns,
             **it.req.inventory.model_dump()}
 
@@ -202,12 +203,15 @@ def _reregister_many(session: Session, items: list[Registration], again: list[in
             events.append(event_row(at=now, actor=it.actor, **inventory_changed_event(name, diff)))
         if row.state != "active":
             events.append(event_row(at=now, actor=it.actor, **active_event(name)))
-        if diff or row.state != "active":
-            changed(session)
-        updates.append({"b_id": row.id, "state": "active", "last_heartbeat_at": now,
+        if diff:
+            changed(session)  # its stratum may move: the replicas reload it
+        elif row.state != "active":
+            changed(session, nodes={row.id: "active"})
+        updates.append({"b_id": row.id, "state": "active", "last_heartbeat_at": now, "last_registered_at": now,
                         "registration_sent_ns": sent[name], **new})
     conn.execute(update(Node).where(Node.id == bindparam("b_id")).values(
-        {c: bindparam(c) for c in ("state", "last_heartbeat_at", "registration_sent_ns", *INVENTORY)}), updates)
+        {c: bindparam(c) for c in ("state", "last_heartbeat_at", "last_registered_at", "registration_sent_ns",
+                                   *INVENTORY)}), updates)
     if events:
         conn.execute(insert(Event), events)
     _tokens_for(conn, items, winner, {name: locked[name].id for name in winner}, now, out, new=False)
@@ -244,7 +248,7 @@ def apply_inventory(session: Session, node: Node, inventory: wire.Inventory, *, 
 def mark_active(session: Session, node: Node, *, actor: str) -> None:
     if node.state != "active":
         node.state = "active"
-        changed(session)
+        changed(session, nodes={node.id: "active"})
         record_event(session, actor=actor, **active_event(node.name))
 
 

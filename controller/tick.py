@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import and_, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -62,17 +62,26 @@ class TickResult:
     duration_seconds: float = 0.0
 
 
-def mark_stale(session: Session, now: dt.datetime, stale_after_seconds: float) -> list[str]:
-    """Nodes without a heartbeat for ``stale_after_seconds`` become stale (one UPDATE, one event each)."""
+def mark_stale(session: Session, now: dt.datetime, stale_after_seconds: float,
+               startup_grace_seconds: float = 0.0) -> list[str]:
+    """Nodes without a heartbeat for ``stale_after_seconds`` become stale (one UPDATE, one event each); a node
+    that has not heartbeated since its agent last registered, only ``startup_grace_seconds`` after that
+    registration (at least ``stale_after_seconds``: a cold start of the fleet may keep its registration retries
+    in the controller's listen queue, and a node is alive while its agent is still registering)."""
     cutoff = now - dt.timedelta(seconds=stale_after_seconds)
+    grace = now - dt.timedelta(seconds=max(stale_after_seconds, startup_grace_seconds))
+    starting = and_(Node.last_registered_at.is_not(None), Node.last_heartbeat_at <= Node.last_registered_at)
+    stale = and_(Node.state == "active", Node.last_heartbeat_at < cutoff,
+                 or_(not_(starting), Node.last_registered_at < grace))
     # the rows locked in id order first, as every writer of many nodes does (controller.desired.liveness)
-    due = select(Node.id).where(Node.state == "active", Node.last_heartbeat_at < cutoff).order_by(Node.id) \
-        .with_for_update(key_share=True)
-    names = list(session.execute(
-        update(Node).where(Node.id.in_(due.scalar_subquery()), Node.state == "active", Node.last_heartbeat_at < cutoff)
-        .values(state="stale").returning(Node.name), execution_options={"synchronize_session": False}).scalars())
+    due = select(Node.id).where(stale).order_by(Node.id).with_for_update(key_share=True)
+    marked = dict(session.execute(
+        update(Node).where(Node.id.in_(due.scalar_subquery()), stale)
+        .values(state="stale").returning(Node.id, Node.name), execution_options={"synchronize_session": False}).all())
+    names = list(marked.values())
     if names:
-        changed(session)  # a stale node is no canary: its stratum's step is topped up elsewhere
+        # a stale node is no canary (its stratum's step is topped up elsewhere); replicas patch its state in
+        changed(session, nodes=dict.fromkeys(marked, "stale"))
         reason = f"no heartbeat for {stale_after_seconds:g}s"
         session.execute(insert(Event), [
             {"at": now, "actor": ACTOR, "action": "node.stale", "subject": f"node:{n}", "reason": reason,
@@ -118,7 +127,8 @@ def run_tick(session: Session, now: dt.datetime, *, settings: Settings, judge_st
     t0 = time.perf_counter()
     result = TickResult()
     if judge_staleness:
-        result.stale_nodes = mark_stale(session, now, settings.stale_after_seconds)
+        result.stale_nodes = mark_stale(session, now, settings.stale_after_seconds,
+                                        settings.node_startup_grace_seconds)
 
     live = list(session.scalars(
         select(Rollout).where(Rollout.state.in_(ACTIVE_STATES))

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
         True, description="The leader keeps each live stratum's evidence between ticks and reads only the reports "
         "new since the last tick (false: every report of every live stratum, every tick).")
     stale_after_seconds: float = Field(60.0, gt=0, description="A node without heartbeat this long is stale.")
+    node_startup_grace_seconds: float = Field(
+        60.0, gt=0, description="A node that has not heartbeated since its agent registered is stale only after "
+        "this long (at least stale_after_seconds): its registration reply may have been lost and its retries "
+        "queued behind a cold start of the fleet (as Kubernetes' --node-startup-grace-period).")
     heartbeat_seconds: float = Field(
         15.0, gt=0, description="Heartbeat period the controller asks agents for; agents hold each heartbeat "
         "open this long as a watch (desired state is pushed the moment it changes).")

@@ -121,6 +121,9 @@ class Node(Base):
     state: Mapped[str] = mapped_column(String(16), default="active")  # active | stale
     registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    # when its agent last registered (NULL: before migration 0008): not heartbeated since, the node has a start-up
+    # grace before it is stale (controller.tick.mark_stale)
+    last_registered_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     # SHA-256 of the agent's registration key: a retry whose reply was lost proves it is the same agent
     registration_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # when the registration attempt last taken was sent, on the agent's clock (ns): an older attempt answered

@@ -8,6 +8,8 @@ A writer that knows exactly which rows it changed passes them (``rows``: node id
 rows carries a complete :class:`Patch`, which replicas apply to their snapshot without a reload (a switch
 batch, a verified canary, a rollback, a pause). Any :func:`changed` without rows makes the patch partial:
 the rows it has are still applied at once (their watches answer), and the snapshot is reloaded for the rest.
+``nodes`` (node id -> state) declares a node marked stale or back to active: its next heartbeat's road
+(the full transaction while it is stale) changes, its desired state does not.
 
 :func:`install_generation_hooks` adds the bump to a sessionmaker: right before COMMIT one ``UPDATE ...
 RETURNING`` takes the next value (the row lock is held only for the commit, so generations are ordered like
@@ -66,6 +68,7 @@ class Patch:
 
     rows: dict[int, dict[str, PatchRow]] = field(default_factory=dict)
     strata: dict[tuple[int, str], str] = field(default_factory=dict)
+    nodes: dict[int, str] = field(default_factory=dict)  # node id -> state (a node marked stale, or back)
     complete: bool = True
 
 
@@ -78,7 +81,8 @@ def notice(generation: int, patch: Patch) -> str:
     rows = [[nid, name, p.view.desired_id, p.view.stable_id, p.view.rollout_id, p.view.phase,
              "K" if p.active_id is KEEP else p.active_id] for nid, mine in patch.rows.items() for name, p in mine.items()]
     doc = json.dumps({"r": rows, "s": [[rid, st, state] for (rid, st), state in patch.strata.items()],
-                      "c": patch.complete}, separators=(",", ":"))
+                      "n": [[nid, state] for nid, state in patch.nodes.items()], "c": patch.complete},
+                     separators=(",", ":"))
     for body in (doc, "z" + base64.b64encode(zlib.compress(doc.encode(), 6)).decode()):
         out = f"{generation} {body}"
         if len(out.encode()) <= NOTICE_MAX_BYTES:
@@ -100,7 +104,8 @@ def read_notice(payload: str) -> tuple[int, Patch | None]:
         rows.setdefault(int(nid), {})[name] = PatchRow(AssignmentView(name, desired, stable, rollout, phase),
                                                        KEEP if active == "K" else active)
     strata = {(int(rid), st): state for rid, st, state in doc["s"]}
-    return generation, Patch(rows=rows, strata=strata, complete=bool(doc["c"]))
+    nodes = {int(nid): str(state) for nid, state in doc.get("n", [])}  # absent: a replica before node patches
+    return generation, Patch(rows=rows, strata=strata, nodes=nodes, complete=bool(doc["c"]))
 
 
 def read_generation(session: Session) -> int:
@@ -109,16 +114,17 @@ def read_generation(session: Session) -> int:
 
 
 def changed(session: Session, *, rows: dict[int, dict[str, PatchRow]] | None = None,
-            strata: dict[tuple[int, str], str] | None = None) -> None:
-    """This transaction changes desired state (its commit bumps the generation); with ``rows``/``strata``,
-    exactly these (see the module docstring)."""
+            strata: dict[tuple[int, str], str] | None = None, nodes: dict[int, str] | None = None) -> None:
+    """This transaction changes desired state (its commit bumps the generation); with ``rows``/``strata``/
+    ``nodes`` (node id -> state), exactly these (see the module docstring)."""
     patch: Patch = session.info.setdefault(PATCH, Patch())
-    if rows is None and strata is None:
+    if rows is None and strata is None and nodes is None:
         patch.complete = False
         return
     for nid, mine in (rows or {}).items():
         patch.rows.setdefault(nid, {}).update(mine)
     patch.strata.update(strata or {})
+    patch.nodes.update(nodes or {})
 
 
 HOOKED = "_kctl_on_commit"  # the factory's hooks are installed; their on_commit target

@@ -115,6 +115,11 @@ class Snapshot:
                 active = (old.active_id if old is not None else None) if p.active_id is KEEP else p.active_id
                 rows[bname] = Row(p.view, active, old.staged if old is not None else ())
             nodes[node.name] = replace(node, rows=_frozen(rows))
+        for nid, state in patch.nodes.items():
+            name = self.by_id.get(nid)
+            node = nodes.get(name) if name is not None else None
+            if node is not None:
+                nodes[node.name] = replace(node, state=state)
         strata = {**self.strata_state, **patch.strata}
         whole = patch.complete and generation == self.generation + 1
         memo = self._memo if not patch.strata else {}

@@ -115,16 +115,20 @@ class DesiredStore:
         rows = {nid: fresh for nid, mine in patch.rows.items()
                 if (fresh := {b: r for b, r in mine.items() if self._row_gen.get((nid, b), -1) < generation})}
         strata = {k: v for k, v in patch.strata.items() if self._row_gen.get(k, -1) < generation}
+        states = {nid: s for nid, s in patch.nodes.items() if self._row_gen.get(("node", nid), -1) < generation}
         for nid, mine in rows.items():
             for b in mine:
                 self._row_gen[(nid, b)] = generation
         for k in strata:
             self._row_gen[k] = generation
-        new = old.patched(generation, Patch(rows=rows, strata=strata, complete=patch.complete))
+        for nid in states:
+            self._row_gen[("node", nid)] = generation
+        new = old.patched(generation, Patch(rows=rows, strata=strata, nodes=states, complete=patch.complete))
         changed = []
-        for nid in rows:
+        for nid in rows.keys() | states.keys():
             name = old.by_id.get(nid)
-            if name is not None and old.nodes[name].key != new.nodes[name].key:
+            if name is not None and (old.nodes[name].key, old.nodes[name].state) != \
+                    (new.nodes[name].key, new.nodes[name].state):
                 self.node_gen[name] = generation
                 changed.append(name)
         self._swap(new, changed)

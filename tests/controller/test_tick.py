@@ -212,6 +212,28 @@ def test_stale_nodes_marked_and_excluded_from_evidence(kit: Kit) -> None:
     assert len(live) == 1 and kit.events("rollout.canaries_replaced")[0].payload["added"] == live
 
 
+def test_a_node_still_registering_has_a_start_up_grace(kit: Kit) -> None:
+    """A node not heartbeated since its agent (re-)registered is stale only after the start-up grace (its
+    registration reply may have been lost in a cold start); once it heartbeated, after ``stale_after``."""
+    from controller.enrollment import register_node
+    from tests.controller.enginekit import inventory
+
+    alive, starting, again = kit.nodes(3)
+    with kit.tx() as s:  # one heartbeat after registering (the liveness flush writes only this column)
+        s.execute(update(Node).where(Node.name == alive).values(last_heartbeat_at=at(5)))
+        register_node(s, again, inventory(), actor="enroll", now=at(50))  # a retry whose first reply was lost
+    grace = Settings(stale_after_seconds=30, node_startup_grace_seconds=120)
+    assert tick(kit, 100, grace).stale_nodes == [alive]
+    assert tick(kit, 121, grace).stale_nodes == [starting]
+    assert tick(kit, 169, grace).stale_nodes == []
+    assert tick(kit, 171, grace).stale_nodes == [again]
+    # a grace shorter than stale_after is stale_after
+    kit.nodes(1, prefix="late", now=at(200))
+    short = Settings(stale_after_seconds=30, node_startup_grace_seconds=1)
+    assert tick(kit, 229, short).stale_nodes == []
+    assert tick(kit, 231, short).stale_nodes == ["late-000"]
+
+
 def test_no_baseline_judged_on_samples_and_hard_gates(kit: Kit) -> None:
     kit.nodes(3, prefix="sm_90")
     rid, cand = start(kit, "1.0.0")
