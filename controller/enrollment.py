@@ -153,8 +153,7 @@ def _same_agent(stored: str | None, key_hash: str | None) -> bool:
 
 def _node_row(it: Registration, now: dt.datetime) -> dict[str, Any]:
     return {"name": it.req.node_name, "registered_at": now, "last_heartbeat_at": now, "last_registered_at": now,
-            "state": "active",
-            "registration_key_hash": it.key_hash, "registration_sent_ns": it.req.sent_at_ns,
+            "state": "active", "registration_key_hash": it.key_hash, "registration_sent_ns": it.req.sent_at_ns,
             **it.req.inventory.model_dump()}
 
 
