@@ -99,7 +99,16 @@ def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Pat
         replies: dict[str, dict] = {}
 
         def watch(c: httpx.Client, name: str) -> None:
-            replies[name] = {**_heartbeat(c, name, generation=gens[name], wait_seconds=30), "at": time.monotonic()}
+            """Watch as an agent does until the node's desired state names 1.0.0 active: the leader's tick may
+            start the rollout (the node a canary, nothing active yet) between the rollout's creation and the
+            promotion, and that wakes the watch first."""
+            have = gens[name]
+            for _ in range(5):
+                reply = {**_heartbeat(c, name, generation=have, wait_seconds=30), "at": time.monotonic()}
+                replies[name] = reply
+                if [(d.get("active") or {}).get("version") for d in reply["desired"]] == ["1.0.0"]:
+                    return
+                have = reply["generation"]
 
         threads = [threading.Thread(target=watch, args=(c, name)) for (_pid, c), name in zip(pinned, names,
                                                                                             strict=True)]
