@@ -8,13 +8,14 @@ import pytest
 from sqlalchemy import select, update
 
 from controller.db.models import Bundle, Incompatibility, Node, Rollout, RolloutStratum, Verdict
+from controller.enrollment import register_node
 from controller.ingest import ingest_reports
 from controller.plan import PlanSpec, StepSpec
 from controller.rollouts import get_rollout, promote, start_rollout
 from controller.tick import run_tick
 from kernelctl import wire
 from kernelctl.settings import Settings
-from tests.controller.enginekit import T0, Kit
+from tests.controller.enginekit import T0, Kit, inventory
 
 S90 = "sm_90/drv550/triton3.6.0"
 S80 = "sm_80/drv550/triton3.6.0"
@@ -215,9 +216,6 @@ def test_stale_nodes_marked_and_excluded_from_evidence(kit: Kit) -> None:
 def test_a_node_still_registering_has_a_start_up_grace(kit: Kit) -> None:
     """A node not heartbeated since its agent (re-)registered is stale only after the start-up grace (its
     registration reply may have been lost in a cold start); once it heartbeated, after ``stale_after``."""
-    from controller.enrollment import register_node
-    from tests.controller.enginekit import inventory
-
     alive, starting, again = kit.nodes(3)
     with kit.tx() as s:  # one heartbeat after registering (the liveness flush writes only this column)
         s.execute(update(Node).where(Node.name == alive).values(last_heartbeat_at=at(5)))
