@@ -80,9 +80,11 @@ def notice(generation: int, patch: Patch) -> str:
     the patch as compact JSON (zlib + base64 when that is what fits) when it fits :data:`NOTICE_MAX_BYTES`."""
     rows = [[nid, name, p.view.desired_id, p.view.stable_id, p.view.rollout_id, p.view.phase,
              "K" if p.active_id is KEEP else p.active_id] for nid, mine in patch.rows.items() for name, p in mine.items()]
+    # "c": complete for a replica that reads no "n" (one still running code from before node patches, during a
+    # rolling upgrade: it reloads rather than miss a node's state); "cn": complete for one that reads "n"
     doc = json.dumps({"r": rows, "s": [[rid, st, state] for (rid, st), state in patch.strata.items()],
-                      "n": [[nid, state] for nid, state in patch.nodes.items()], "c": patch.complete},
-                     separators=(",", ":"))
+                      "n": [[nid, state] for nid, state in patch.nodes.items()],
+                      "c": patch.complete and not patch.nodes, "cn": patch.complete}, separators=(",", ":"))
     for body in (doc, "z" + base64.b64encode(zlib.compress(doc.encode(), 6)).decode()):
         out = f"{generation} {body}"
         if len(out.encode()) <= NOTICE_MAX_BYTES:
@@ -105,7 +107,7 @@ def read_notice(payload: str) -> tuple[int, Patch | None]:
                                                        KEEP if active == "K" else active)
     strata = {(int(rid), st): state for rid, st, state in doc["s"]}
     nodes = {int(nid): str(state) for nid, state in doc.get("n", [])}  # absent: a replica before node patches
-    return generation, Patch(rows=rows, strata=strata, nodes=nodes, complete=bool(doc["c"]))
+    return generation, Patch(rows=rows, strata=strata, nodes=nodes, complete=bool(doc.get("cn", doc["c"])))
 
 
 def read_generation(session: Session) -> int:

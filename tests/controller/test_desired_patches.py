@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -116,6 +117,9 @@ def test_a_notice_carries_the_patch_when_it_fits() -> None:
                         8: {"llm-fused": PatchRow(AssignmentView("llm-fused", 2, 2, None, None), 4)}},
                   strata={(5, "sm_90/drv550/triton3.6.0"): "rolled_back"}, nodes={9: "stale"}, complete=False)
     assert read_notice(notice(41, patch)) == (41, patch)
+    states = Patch(nodes={9: "stale"})  # complete; a replica from before node patches reads it as partial (reloads)
+    assert read_notice(notice(44, states)) == (44, states)
+    assert json.loads(notice(44, states).split(" ", 1)[1])["c"] is False
     big = Patch(rows={n: {"llm-fused": PatchRow(AssignmentView("llm-fused", n, n + 1, n + 2, "verified"), n + 3)}
                       for n in range(10**6, 10**6 + 3000)})  # too large even compressed: the generation alone
     assert read_notice(notice(42, big)) == (42, None)
