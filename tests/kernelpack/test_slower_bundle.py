@@ -1,6 +1,6 @@
 """llm-fused 1.1.5-slower1pct and its baseline 1.1.5-slower0pct: issue 25's "1%-slower-everywhere" candidate for the
-GPU proof. Both launch every stable kernel through the same generated wrapper kernel; in 1.1.5-slower1pct the
-launch's last program then spins 1% of the stable kernel's own time (calibrated on the GPU), in 1.1.5-slower0pct
+GPU proof. Both launch every stable kernel through the same generated wrapper kernel; in 1.1.5-slower1pct every
+program then spins long enough that the launch takes 1% longer (calibrated on the GPU), in 1.1.5-slower0pct
 nothing (earlier fixtures that slowed kernels some other way, judged against 1.1.1, measured -15% to +14% per
 cell on an H200: the added code changed how the kernels compile; docs/gpu.md runs V-AG).
 Each builds and verifies like any bundle, launches the same number of Triton kernels per call as 1.1.1, through

@@ -4,16 +4,23 @@ The same wrapper kernels as 1.1.5-slower1pct's, compiled to the same code (the w
 here 0 cycles), so a fleet that makes this bundle stable judges 1.1.5-slower1pct on its wait alone. What follows
 is 1.1.5-slower1pct's description.
 
-
 Not a fault: a candidate slightly slower everywhere (issue 25: "a 1%-slower-everywhere one promoted", inside
 the 2% margin), numerically identical to stable. :func:`slowed` takes a stable op module (bundled as
 ``stable_<op>``) and makes each Triton kernel defined there launch as a wrapper kernel, generated from the
 kernel's own signature, that runs the stable kernel's body unchanged (called as a device function: the same
-program ids, grid and launch count) and then, in the launch's last program only, spins a number of SM cycles
-given as a kernel argument. That number is 1% of the stable kernel's own time for the launch's arguments
-(shapes, strides, dtypes, scalars), measured once per argument key on the GPU (CUDA events around
-:data:`CALIBRATION_CALLS` launches of the stable kernel back to back, enqueued while a sleep kernel holds the stream, on clones of the arguments, so in-place kernels change
-nothing), at the SM clock measured on the same device (:func:`cycles_per_ns`).
+program ids, grid and launch count) and then, in every program, spins a number of SM cycles given as a kernel
+argument. That number is calibrated once per argument key (shapes, strides, dtypes, scalars) on the GPU so
+that the *launch* takes 1% longer than the same wrapper waiting 0 cycles: the wrapper is timed with no wait
+and with a probe wait (10% of its time, in cycles at the SM clock measured on the same device,
+:func:`cycles_per_ns`), which gives the launch time one waited cycle adds (one cycle per wave of programs),
+and the wait is scaled to 1% of the no-wait time. Each timing is CUDA events around
+:data:`CALIBRATION_CALLS` launches back to back, enqueued while a sleep kernel holds the stream, on clones of
+the arguments, so in-place kernels change nothing.
+
+An earlier form waited in the launch's last program only, 1% of the stable kernel's time: on an H200 (run AH,
+docs/gpu.md) it measured 1.000 against 1.1.5-slower0pct in the median cell and flash_attn@8192 1.000 (a 1.2 ms
+launch): where a launch has several waves, its last program is not the last to finish (causal attention runs
+its heaviest blocks first), so its wait hid behind the others.
 
 Why this shape (docs/gpu.md, runs V-AG on an H200): every earlier way of making a launch 1% longer changed
 some cells by 4-16% either way against 1.1.1: 1% more bytes read (1.1.2), every program waiting 1% of its own
@@ -43,11 +50,13 @@ import triton
 import triton.language as tl
 
 SLOW_PERCENT = 0
-"""How much longer each launch runs, in percent of the stable kernel's own time."""
+"""How much longer each launch runs, in percent of the same wrapper's launch with no wait."""
+PROBE_PERCENT = 10
+"""The calibration's probe wait, in percent of the no-wait launch time (one wave's worth)."""
 CALIBRATION_CALLS = 20
-"""Launches of the stable kernel timed back to back per argument key."""
-HOLD_CYCLES = 20_000_000
-"""SM cycles the calibration's sleep kernel holds the stream while its launches are enqueued (~10 ms)."""
+"""Launches of the wrapper timed back to back per timing."""
+HOLD_CYCLES = 4_000_000
+"""SM cycles the calibration's sleep kernel holds the stream while its launches are enqueued (~2 ms)."""
 WRAPPED: list[str] = []
 """Names of the kernels launched through a wrapper so far (tests read it)."""
 
@@ -70,12 +79,6 @@ def spin(cycles):
         "=r,l", [cycles.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def wait_last(cycles):
-    """The launch's last program waits ``cycles`` SM cycles (every other program none: no branch either)."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    last = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
-    spin(tl.where(pid == last, cycles.to(tl.int64), 0))
 
 
 @triton.jit(do_not_specialize=["cycles"])
@@ -95,7 +98,7 @@ def _wrapper_source(kernel: Any, name: str, *, timed: bool) -> str:
         return f"def {name}({sig}):\n    _stable_kernel({call})\n"
     return (f"def {name}({sig}, _slow_cycles):\n"
             f"    _stable_kernel({call})\n"
-            f"    wait_last(_slow_cycles)\n")
+            f"    spin(_slow_cycles)\n")
 
 
 def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
@@ -103,7 +106,7 @@ def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
     src = _wrapper_source(kernel, name, timed=timed)
     filename = f"<llm-fused-1.1.5-slower wrapper:{name}>"  # the same in both bundles: the same code
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # Triton reads the source
-    scope: dict[str, Any] = {"tl": tl, "wait_last": wait_last, "_stable_kernel": kernel}
+    scope: dict[str, Any] = {"tl": tl, "spin": spin, "_stable_kernel": kernel}
     exec(compile(src, filename, "exec"), scope)
     return triton.jit(scope[name], do_not_specialize=["_slow_cycles"] if timed else ())
 
@@ -147,9 +150,12 @@ def _key(name: str, grid: Any, args: tuple, kwargs: dict) -> tuple:
             tuple((k, one(v)) for k, v in sorted(kwargs.items())))
 
 
-def calibrated_wait(name: str, stable: Any, grid: Any, args: tuple, kwargs: dict) -> int:
-    """SM cycles that are ``SLOW_PERCENT`` % of the time of ``stable`` (the stable kernel's launcher for
-    ``grid``) with these arguments (0 while a CUDA graph is being captured and they were never calibrated)."""
+def calibrated_wait(name: str, wrapper: Any, grid: Any, args: tuple, kwargs: dict) -> int:
+    """SM cycles each program of ``wrapper`` (the wrapper's launcher for ``grid``) waits so that its launch with
+    these arguments takes ``SLOW_PERCENT`` % longer than with no wait (0 at 0 %, and 0 while a CUDA graph is being
+    captured and they were never calibrated)."""
+    if SLOW_PERCENT == 0:
+        return 0
     key = _key(name, grid, args, kwargs)
     if key in _WAITS:
         return _WAITS[key]
@@ -159,8 +165,15 @@ def calibrated_wait(name: str, stable: Any, grid: Any, args: tuple, kwargs: dict
     rate = cycles_per_ns(dev)
     cargs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     ckw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    ms = _elapsed_ms(lambda: stable(*cargs, **ckw), CALIBRATION_CALLS)
-    wait = round(ms * 1e6 * rate * SLOW_PERCENT / 100)
+
+    def timed(cycles: int) -> float:
+        return _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=cycles, **ckw), CALIBRATION_CALLS)
+
+    base = timed(0)
+    probe = max(1, round(base * 1e6 * rate * PROBE_PERCENT / 100))
+    per_cycle = (timed(probe) - base) / probe  # ms of launch time per waited cycle: waves / clock
+    target = base * SLOW_PERCENT / 100
+    wait = round(target / per_cycle) if per_cycle > 0 else round(probe * SLOW_PERCENT / PROBE_PERCENT)
     with _LOCK:
         _WAITS[key] = wait
     return wait
@@ -181,7 +194,7 @@ def _slow_class(base: type) -> type:
                 WRAPPED.append(self.fn.__name__)
                 if not timed:
                     return wrapper[grid](*args, **kwargs)
-                cycles = calibrated_wait(self.fn.__name__, base.__getitem__(self, grid), grid, args, kwargs)
+                cycles = calibrated_wait(self.fn.__name__, wrapper[grid], grid, args, kwargs)
                 return wrapper[grid](*args, _slow_cycles=cycles, **kwargs)
 
             return launch
