@@ -5,13 +5,15 @@ the 2% margin), numerically identical to stable. :func:`slowed` takes a stable o
 ``stable_<op>``) and makes each Triton kernel defined there launch as a wrapper kernel, generated from the
 kernel's own signature, that runs the stable kernel's body unchanged (called as a device function: the same
 program ids, grid and launch count) and then, in every program, spins a number of SM cycles given as a kernel
-argument. That number is calibrated once per argument key (shapes, strides, dtypes, scalars) on the GPU so
-that the *launch* takes 1% longer than the same wrapper waiting 0 cycles: the wrapper is timed with no wait
-and with a probe wait (10% of its time, in cycles at the SM clock measured on the same device,
-:func:`cycles_per_ns`), which gives the launch time one waited cycle adds (one cycle per wave of programs),
-and the wait is scaled to 1% of the no-wait time. Each timing is CUDA events around
-:data:`CALIBRATION_CALLS` launches back to back, enqueued while a sleep kernel holds the stream, on clones of
-the arguments, so in-place kernels change nothing.
+argument. That number is calibrated on the GPU once per argument key (shapes, strides, dtypes, scalars), at
+the key's :data:`CALIBRATE_AT`-th launch (earlier ones wait nothing: the trial's numeric checks launch most
+shapes once or twice, and the timed phases warm each shape up first), so that the *launch* takes 1% longer
+than the same wrapper waiting 0 cycles. A probe wait (10% of the no-wait time, in cycles at the SM clock
+measured on the same device, :func:`cycles_per_ns`) gives a first wait by linear scaling; the wait is then
+corrected on what it measures (up to :data:`CALIBRATION_ROUNDS` times, by at most a factor 2 each), because spinning programs overlap
+with other programs' memory traffic, so the added time is not linear in the wait. Each timing is CUDA events
+around :data:`CALIBRATION_CALLS` launches back to back, enqueued while a sleep kernel holds the stream, on
+clones of the arguments, so in-place kernels change nothing.
 
 An earlier form waited in the launch's last program only, 1% of the stable kernel's time: on an H200 (run AH,
 docs/gpu.md) it measured 1.000 against 1.1.5-slower0pct in the median cell and flash_attn@8192 1.000 (a 1.2 ms
@@ -49,8 +51,12 @@ SLOW_PERCENT = 1
 """How much longer each launch runs, in percent of the same wrapper's launch with no wait."""
 PROBE_PERCENT = 10
 """The calibration's probe wait, in percent of the no-wait launch time (one wave's worth)."""
-CALIBRATION_CALLS = 20
+CALIBRATION_CALLS = 50
 """Launches of the wrapper timed back to back per timing."""
+CALIBRATION_ROUNDS = 3
+"""Corrections of the wait on what it measured, at most."""
+CALIBRATE_AT = 3
+"""The launch of an argument key at which its wait is calibrated (the ones before it wait nothing)."""
 HOLD_CYCLES = 4_000_000
 """SM cycles the calibration's sleep kernel holds the stream while its launches are enqueued (~2 ms)."""
 WRAPPED: list[str] = []
@@ -109,6 +115,7 @@ def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
 
 _LOCK = threading.Lock()
 _WAITS: dict[tuple, int] = {}
+_SEEN: dict[tuple, int] = {}
 _RATES: dict[torch.device, float] = {}
 
 
@@ -148,28 +155,36 @@ def _key(name: str, grid: Any, args: tuple, kwargs: dict) -> tuple:
 
 def calibrated_wait(name: str, wrapper: Any, grid: Any, args: tuple, kwargs: dict) -> int:
     """SM cycles each program of ``wrapper`` (the wrapper's launcher for ``grid``) waits so that its launch with
-    these arguments takes ``SLOW_PERCENT`` % longer than with no wait (0 at 0 %, and 0 while a CUDA graph is being
-    captured and they were never calibrated)."""
+    these arguments takes ``SLOW_PERCENT`` % longer than with no wait (0 at 0 %, before the key's
+    :data:`CALIBRATE_AT`-th launch, and while a CUDA graph is being captured and the key was never calibrated)."""
     if SLOW_PERCENT == 0:
         return 0
     key = _key(name, grid, args, kwargs)
     if key in _WAITS:
         return _WAITS[key]
-    if torch.cuda.is_current_stream_capturing():
+    with _LOCK:
+        _SEEN[key] = seen = _SEEN.get(key, 0) + 1
+    if seen < CALIBRATE_AT or torch.cuda.is_current_stream_capturing():
         return 0
     dev = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     rate = cycles_per_ns(dev)
     cargs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     ckw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
-    def timed(cycles: int) -> float:
-        return _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=cycles, **ckw), CALIBRATION_CALLS)
+    def added(cycles: int) -> float:
+        """Launch time with ``cycles`` over the time with none, as a fraction of the latter."""
+        return _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=cycles, **ckw), CALIBRATION_CALLS) / base - 1.0
 
-    base = timed(0)
+    base = _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=0, **ckw), CALIBRATION_CALLS)
+    target = SLOW_PERCENT / 100
     probe = max(1, round(base * 1e6 * rate * PROBE_PERCENT / 100))
-    per_cycle = (timed(probe) - base) / probe  # ms of launch time per waited cycle: waves / clock
-    target = base * SLOW_PERCENT / 100
-    wait = round(target / per_cycle) if per_cycle > 0 else round(probe * SLOW_PERCENT / PROBE_PERCENT)
+    slope = added(probe) / probe  # fraction of the launch per waited cycle (waves / clock / base)
+    wait = round(target / slope) if slope > 0 else round(probe * target * 100 / PROBE_PERCENT)
+    for _ in range(CALIBRATION_ROUNDS):
+        got = added(wait)
+        if abs(got - target) <= 0.1 * target:
+            break
+        wait = max(1, round(wait * min(2.0, max(0.5, target / got)))) if got > 0 else wait * 2
     with _LOCK:
         _WAITS[key] = wait
     return wait
