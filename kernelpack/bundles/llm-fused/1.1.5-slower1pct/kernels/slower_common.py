@@ -13,7 +13,8 @@ measured on the same device, :func:`cycles_per_ns`) gives a first wait by linear
 corrected on what it measures (up to :data:`CALIBRATION_ROUNDS` times, by at most a factor 2 each), because spinning programs overlap
 with other programs' memory traffic, so the added time is not linear in the wait. Each timing is CUDA events
 around :data:`CALIBRATION_CALLS` launches back to back, enqueued while a sleep kernel holds the stream, on
-clones of the arguments, so in-place kernels change nothing.
+the launch's own arguments, which are put back from host copies afterwards (so in-place kernels change
+nothing, and the device allocates nothing the trial's memory measurement would see).
 
 An earlier form waited in the launch's last program only, 1% of the stable kernel's time: on an H200 (run AH,
 docs/gpu.md) it measured 1.000 against 1.1.5-slower0pct in the median cell and flash_attn@8192 1.000 (a 1.2 ms
@@ -57,8 +58,9 @@ CALIBRATION_ROUNDS = 3
 """Corrections of the wait on what it measured, at most."""
 CALIBRATE_AT = 3
 """The launch of an argument key at which its wait is calibrated (the ones before it wait nothing)."""
-HOLD_CYCLES = 4_000_000
-"""SM cycles the calibration's sleep kernel holds the stream while its launches are enqueued (~2 ms)."""
+HOLD_CYCLES = 20_000_000
+"""SM cycles the calibration's sleep kernel holds the stream while its launches are enqueued (~10 ms: 50 Triton
+launches take 1-2 ms to enqueue; a shorter hold timed the host, run AJ)."""
 WRAPPED: list[str] = []
 """Names of the kernels launched through a wrapper so far (tests read it)."""
 
@@ -166,25 +168,31 @@ def calibrated_wait(name: str, wrapper: Any, grid: Any, args: tuple, kwargs: dic
         _SEEN[key] = seen = _SEEN.get(key, 0) + 1
     if seen < CALIBRATE_AT or torch.cuda.is_current_stream_capturing():
         return 0
-    dev = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-    rate = cycles_per_ns(dev)
-    cargs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-    ckw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    rate = cycles_per_ns(tensors[0].device)
+    # The calibration launches on the real arguments and puts them back from host copies afterwards: copies on
+    # the device would show in the trial's peak-memory measurement of the launch (run AJ: 4x at 1 token).
+    saved = [(t, t.to("cpu", copy=True)) for t in tensors]
 
     def added(cycles: int) -> float:
         """Launch time with ``cycles`` over the time with none, as a fraction of the latter."""
-        return _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=cycles, **ckw), CALIBRATION_CALLS) / base - 1.0
+        return _elapsed_ms(lambda: wrapper(*args, _slow_cycles=cycles, **kwargs), CALIBRATION_CALLS) / base - 1.0
 
-    base = _elapsed_ms(lambda: wrapper(*cargs, _slow_cycles=0, **ckw), CALIBRATION_CALLS)
-    target = SLOW_PERCENT / 100
-    probe = max(1, round(base * 1e6 * rate * PROBE_PERCENT / 100))
-    slope = added(probe) / probe  # fraction of the launch per waited cycle (waves / clock / base)
-    wait = round(target / slope) if slope > 0 else round(probe * target * 100 / PROBE_PERCENT)
-    for _ in range(CALIBRATION_ROUNDS):
-        got = added(wait)
-        if abs(got - target) <= 0.1 * target:
-            break
-        wait = max(1, round(wait * min(2.0, max(0.5, target / got)))) if got > 0 else wait * 2
+    try:
+        base = _elapsed_ms(lambda: wrapper(*args, _slow_cycles=0, **kwargs), CALIBRATION_CALLS)
+        target = SLOW_PERCENT / 100
+        probe = max(1, round(base * 1e6 * rate * PROBE_PERCENT / 100))
+        slope = added(probe) / probe  # fraction of the launch per waited cycle (waves / clock / base)
+        wait = round(target / slope) if slope > 0 else round(probe * target * 100 / PROBE_PERCENT)
+        for _ in range(CALIBRATION_ROUNDS):
+            got = added(wait)
+            if abs(got - target) <= 0.1 * target:
+                break
+            wait = max(1, round(wait * min(2.0, max(0.5, target / got)))) if got > 0 else wait * 2
+    finally:
+        torch.cuda.current_stream().synchronize()
+        for t, host in saved:
+            t.copy_(host)
     with _LOCK:
         _WAITS[key] = wait
     return wait
