@@ -1,7 +1,7 @@
 """llm-fused 1.1.5-slower0pct: 1.1.5-slower1pct with no wait (``SLOW_PERCENT = 0``): the baseline it is 1% slower than.
 
-The same wrapper kernels as 1.1.5-slower1pct's, compiled to the same code (the wait is a run-time argument,
-here 0 cycles), so a fleet that makes this bundle stable judges 1.1.5-slower1pct on its wait alone. What follows
+The same wrapper kernels as 1.1.5-slower1pct's, compiled to the same code (the wait is a run-time fraction,
+here 0), so a fleet that makes this bundle stable judges 1.1.5-slower1pct on its wait alone. What follows
 is 1.1.5-slower1pct's description.
 
 Not a fault: a candidate slightly slower everywhere (issue 25: "a 1%-slower-everywhere one promoted", inside
@@ -19,7 +19,7 @@ phase time would see.
 Earlier forms of this bundle (docs/gpu.md, runs AH-AK on an H200): the launch's last program waiting 1% of the
 stable kernel's time measured 1.000 in the median cell (where a launch has several waves its last program is
 not the last to finish); a wait calibrated on the host per argument key measured 1.008 in the median cell but
-+4-6% in some 1-token cells, and its calibration showed in the trial's peak memory (device clones) and launch
++4-8% in some 1-token cells, and its calibration showed in the trial's peak memory (device clones) and launch
 counts (the calibration's own launches): the judge rolled it back on those gates, as it should.
 
 Why a twin baseline (docs/gpu.md, runs V-AG): every way of making a launch 1% longer changed some cells by

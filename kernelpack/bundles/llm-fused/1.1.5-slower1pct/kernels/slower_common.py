@@ -15,7 +15,7 @@ phase time would see.
 Earlier forms of this bundle (docs/gpu.md, runs AH-AK on an H200): the launch's last program waiting 1% of the
 stable kernel's time measured 1.000 in the median cell (where a launch has several waves its last program is
 not the last to finish); a wait calibrated on the host per argument key measured 1.008 in the median cell but
-+4-6% in some 1-token cells, and its calibration showed in the trial's peak memory (device clones) and launch
++4-8% in some 1-token cells, and its calibration showed in the trial's peak memory (device clones) and launch
 counts (the calibration's own launches): the judge rolled it back on those gates, as it should.
 
 Why a twin baseline (docs/gpu.md, runs V-AG): every way of making a launch 1% longer changed some cells by
