@@ -1,6 +1,6 @@
 """llm-fused 1.1.5-slower1pct and its baseline 1.1.5-slower0pct: issue 25's "1%-slower-everywhere" candidate for the
 GPU proof. Both launch every stable kernel through the same generated wrapper kernel; in 1.1.5-slower1pct every
-program then spins 1% of the cycles its stable body took (read from the SM's cycle counter), in
+launch's last program to finish then waits 1% of the time since program 0 started (the GPU's global timer), in
 1.1.5-slower0pct 0% (earlier fixtures that slowed kernels some other way, judged against 1.1.1, measured -15% to +14% per
 cell on an H200: the added code changed how the kernels compile; docs/gpu.md runs V-AG).
 Each builds and verifies like any bundle, launches the same number of Triton kernels per call as 1.1.1, through
@@ -70,7 +70,7 @@ sc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sc)
 aot = sw.aot("bf16", {})[-1]
 wrapper = sc._make_wrapper(aot.fn, timed=True)
-k = compile(ASTSource(wrapper, signature={**aot.signature, "_slow_fraction": "fp32"}, constexprs=aot.constexprs),
+k = compile(ASTSource(wrapper, signature={**aot.signature, "_slow_state": "*i64", "_slow_fraction": "fp32"}, constexprs=aot.constexprs),
             target=GPUTarget("cuda", 90, 32), options={"num_warps": aot.num_warps})
 print(k.asm["ptx"])
 """
@@ -94,8 +94,9 @@ def _sm90_ptx(version: str, cache: Path) -> str:
 
 def test_the_timed_wrappers_compile_for_sm90_to_the_same_code_with_the_wait_loop(tmp_path: Path) -> None:
     """The wrapper of the stable swiglu kernel, compiled for sm_90 (a child without TRITON_INTERPRET): the wait
-    is a loop in PTX on the SM's cycle counter, read before the body too, and 1.1.5-slower0pct's wrapper is the
-    same code as 1.1.5-slower1pct's, so between the two only the run-time fraction differs."""
+    is a loop in PTX on the GPU's global timer, read before the body too (program 0) and after the last program's
+    atomic count, and 1.1.5-slower0pct's wrapper is the same code as 1.1.5-slower1pct's, so between the two only
+    the run-time fraction differs."""
     zero, one = _sm90_ptx("1.1.5-slower0pct", tmp_path / "0"), _sm90_ptx("1.1.5-slower1pct", tmp_path / "1")
-    assert one.count("%clock64") >= 3 and "@p bra SPIN" in one, one[-2000:]
+    assert one.count("%globaltimer") >= 4 and "@p bra SPIN" in one and "atom.global" in one, one[-2000:]
     assert zero == one

@@ -7,14 +7,17 @@ is 1.1.5-slower1pct's description.
 Not a fault: a candidate slightly slower everywhere (issue 25: "a 1%-slower-everywhere one promoted", inside
 the 2% margin), numerically identical to stable. :func:`slowed` takes a stable op module (bundled as
 ``stable_<op>``) and makes each Triton kernel defined there launch as a wrapper kernel, generated from the
-kernel's own signature, that reads the SM's cycle counter, runs the stable kernel's body unchanged (called as
-a device function: the same program ids, grid and launch count), and then spins a fraction of the cycles the
-body took in that program: :data:`SLOW_PERCENT` %, passed as a run-time argument. Every program is 1% longer,
-so a launch of one wave (or of waves that run back to back) is too; where programs of one SM overlap their
-memory traffic, the spin partly hides behind another program's loads and the launch is a little less than 1%
-longer (``scripts/gpu-cells --pairs 1.1.5-slower1pct:1.1.5-slower0pct`` measures each cell). Nothing happens
-on the host: no calibration launches, copies or synchronisation that a trial's launch count, peak memory or
-phase time would see.
+kernel's own signature, that runs the stable kernel's body unchanged (called as a device function: the same
+program ids, grid and launch count) and then makes the launch last :data:`SLOW_PERCENT` % longer, on the
+GPU's global nanosecond timer: program 0 records when it started, every program counts itself done on a
+device counter (one atomic add), and the program that finishes last waits the fraction of the time since that
+start, then resets the counter for the next launch. The fraction is a run-time argument; the counter is 16
+bytes of device memory per device, allocated once. Nothing else happens on the host: no calibration launches,
+copies or synchronisation that a trial's launch count, peak memory or phase time would see.
+
+An earlier form of this bundle (run AL, docs/gpu.md) spun 1% of each program's own cycles (``%clock64``): it
+measured 1.0026 in the median cell, since where programs of one SM overlap their memory traffic, one program's
+spin hides behind another's loads. Only a wait after the last program is a wait of the whole launch.
 
 Earlier forms of this bundle (docs/gpu.md, runs AH-AK on an H200): the launch's last program waiting 1% of the
 stable kernel's time measured 1.000 in the median cell (where a launch has several waves its last program is
@@ -50,27 +53,41 @@ WRAPPED: list[str] = []
 
 
 @triton.jit
-def _cycles():
-    """This SM's cycle counter (``%clock64``)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False,
+def _now():
+    """The GPU's global timer (``%globaltimer``, nanoseconds; the same clock on every SM)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                      pack=1)
 
 
 @triton.jit
-def spin(cycles):
-    """Wait ``cycles`` SM cycles: the loop is written in PTX, so the compiler sees one instruction and compiles
+def wait_ns(ns):
+    """Wait ``ns`` nanoseconds: the loop is written in PTX, so the compiler sees one instruction and compiles
     the kernel around it as it compiles the stable kernel (a loop in Triton changed the body's code and its time
     in some cells, docs/gpu.md runs AE-AF)."""
     tl.inline_asm_elementwise(
-        "{ .reg .u64 end, now; .reg .pred p; mov.u64 end, %clock64; add.u64 end, end, $1; "
-        "SPIN: mov.u64 now, %clock64; setp.lt.u64 p, now, end; @p bra SPIN; mov.u32 $0, 0; }",
-        "=r,l", [cycles.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+        "{ .reg .u64 end, now; .reg .pred p; mov.u64 end, %globaltimer; add.u64 end, end, $1; "
+        "SPIN: mov.u64 now, %globaltimer; setp.lt.u64 p, now, end; @p bra SPIN; mov.u32 $0, 0; }",
+        "=r,l", [ns.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def spin_share(start, fraction):
-    """Spin ``fraction`` of the cycles since ``start`` (this program's cycle counter before the stable body)."""
-    spin(((_cycles() - start).to(tl.float32) * fraction).to(tl.int64))
+def mark_start(state):
+    """Program 0 records the launch's start in ``state[0]`` (before its body)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+        tl.atomic_xchg(state, _now())
+
+
+@triton.jit
+def finish(state, fraction):
+    """Count this program done in ``state[1]``; the last one waits ``fraction`` of the time since the start,
+    at most 100 ms (a start not yet visible reads 0 and waits nothing), then resets both for the next launch."""
+    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    done = tl.atomic_add(state + 1, 1, sem="acq_rel")
+    if done == total - 1:
+        start = tl.atomic_xchg(state, 0)
+        elapsed = tl.where(start > 0, _now() - start, 0)
+        wait_ns(tl.minimum(tl.maximum(elapsed, 0), 100_000_000).to(tl.float32) * fraction)
+        tl.atomic_xchg(state + 1, 0)
 
 
 def interpreted() -> bool:
@@ -83,10 +100,10 @@ def _wrapper_source(kernel: Any, name: str, *, timed: bool) -> str:
     call = ", ".join(f"{p.name}={p.name}" for p in params)
     if not timed:
         return f"def {name}({sig}):\n    _stable_kernel({call})\n"
-    return (f"def {name}({sig}, _slow_fraction):\n"
-            f"    _slow_start = _cycles()\n"
+    return (f"def {name}({sig}, _slow_state, _slow_fraction):\n"
+            f"    mark_start(_slow_state)\n"
             f"    _stable_kernel({call})\n"
-            f"    spin_share(_slow_start, _slow_fraction)\n")
+            f"    finish(_slow_state, _slow_fraction)\n")
 
 
 def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
@@ -94,9 +111,22 @@ def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
     src = _wrapper_source(kernel, name, timed=timed)
     filename = f"<llm-fused-1.1.5-slower wrapper:{name}>"  # the same in both bundles: the same code
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # Triton reads the source
-    scope: dict[str, Any] = {"tl": tl, "_cycles": _cycles, "spin_share": spin_share, "_stable_kernel": kernel}
+    scope: dict[str, Any] = {"tl": tl, "mark_start": mark_start, "finish": finish, "_stable_kernel": kernel}
     exec(compile(src, filename, "exec"), scope)
     return triton.jit(scope[name], do_not_specialize=["_slow_fraction"] if timed else ())
+
+
+_STATES: dict[int, Any] = {}
+
+
+def _state() -> Any:
+    """The launch counter of the current CUDA device: int64 [start ns, programs done], zero between launches."""
+    import torch
+
+    device = torch.cuda.current_device()
+    if device not in _STATES:
+        _STATES[device] = torch.zeros(2, dtype=torch.int64, device=f"cuda:{device}")
+    return _STATES[device]
 
 
 def _slow_class(base: type) -> type:
@@ -114,7 +144,7 @@ def _slow_class(base: type) -> type:
                 WRAPPED.append(self.fn.__name__)
                 if not timed:
                     return wrapper[grid](*args, **kwargs)
-                return wrapper[grid](*args, _slow_fraction=SLOW_PERCENT / 100, **kwargs)
+                return wrapper[grid](*args, _slow_state=_state(), _slow_fraction=SLOW_PERCENT / 100, **kwargs)
 
             return launch
 
