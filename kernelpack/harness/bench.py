@@ -278,7 +278,9 @@ def paired_calls(
     timer: Callable[[], float] = time.perf_counter,
     budget_s: float | None = None,
 ) -> tuple[ArmTimes, ArmTimes]:
-    """:func:`interleaved_calls` of one op's stable and candidate versions on the same seeded inputs."""
+    """:func:`interleaved_calls` of one op's stable and candidate versions on the same seeded inputs, writing into
+    the same output buffers where both versions allocate the same (shapes and dtypes): a buffer's placement in
+    device memory is then common to both arms rather than a per-trial difference between them."""
     s_op, c_op = stable[0], candidate[0]
     if s_op.name != c_op.name:
         raise HarnessError(f"cannot pair different ops: stable {s_op.name!r} vs candidate {c_op.name!r}")
@@ -287,14 +289,19 @@ def paired_calls(
     for op in (s_op, c_op):
         op.domain.check(tdtype, shape)
     inputs = s_op.make_inputs(dict(shape), tdtype, dev, make_generator(dev, seed))
-    return interleaved_calls(call_runner(s_op, stable[1], inputs), call_runner(c_op, candidate[1], inputs), device=dev,
-                             windows=windows, quads=quads, warmup_calls=warmup_calls, timer=timer,
-                             budget_s=budget_s, seed=seed)
+    s_outs, c_outs = alloc_poisoned(s_op, inputs), alloc_poisoned(c_op, inputs)
+    if [(o.shape, o.dtype) for o in s_outs] == [(o.shape, o.dtype) for o in c_outs]:
+        c_outs = s_outs
+    return interleaved_calls(call_runner(s_op, stable[1], inputs, s_outs),
+                             call_runner(c_op, candidate[1], inputs, c_outs), device=dev, windows=windows,
+                             quads=quads, warmup_calls=warmup_calls, timer=timer, budget_s=budget_s, seed=seed)
 
 
-def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
-    """One call of ``op`` on ``inputs`` into poisoned outputs allocated once (what every timing times)."""
-    outs = alloc_poisoned(op, inputs)
+def call_runner(op: KernelOp, config: Mapping | None, inputs: Mapping[str, torch.Tensor],
+                outs: Sequence[torch.Tensor] | None = None) -> Callable[[], None]:
+    """One call of ``op`` on ``inputs`` into ``outs`` (default: poisoned outputs allocated once): what every timing
+    times."""
+    outs = alloc_poisoned(op, inputs) if outs is None else tuple(outs)
     cfg = merged_config(op, config)
     inp = dict(inputs)
 

@@ -49,6 +49,22 @@ def test_paired_calls_time_every_call_of_both_arms_interleaved():
     assert s["n"] == 12 and s["p50_s"] <= s["p99_s"] == max(st.calls) and len(s["windows_s"]) == 3
 
 
+def test_paired_calls_write_both_arms_into_the_same_output_buffers():
+    """Where both versions allocate the same outputs, both arms write into one buffer: its placement in device
+    memory is common to both, not a per-trial difference between them."""
+    seen: dict[str, set[int]] = {"stable": set(), "candidate": set()}
+
+    def recording(arm: str, op):  # type: ignore[no-untyped-def]
+        def run(inputs, outs, config):  # type: ignore[no-untyped-def]
+            seen[arm].add(outs[0].data_ptr())
+            op.run(inputs, outs, config)
+        return dataclasses.replace(op, run=run)
+
+    paired_calls((recording("stable", make_axpy()), {}), (recording("candidate", make_axpy("slow")), {}), "fp32",
+                 {"n": 64}, device=DEVICE, seed=0, windows=1, quads=1)
+    assert len(seen["stable"]) == 1 and seen["stable"] == seen["candidate"]
+
+
 def test_interleaving_is_abba_or_baab_at_random_and_a_budget_stops_early():
     order: list[str] = []
     a, b = interleaved_calls(lambda: order.append("a"), lambda: order.append("b"), device="cpu", windows=16, quads=2,
