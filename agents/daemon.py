@@ -42,6 +42,7 @@ from agents.registration import register
 from agents.serve_gate import ServeVerdict, annotate, judge_trial
 from agents.trial import TrialAborted, TrialConfig, TrialRunner
 from agents.trial_protocol import TrafficProfile
+from agents.trial_spawn import is_trial_child
 from kernelctl.wire import (
     BundleRef,
     DesiredBundle,
@@ -86,14 +87,6 @@ class AgentConfig:
 class _RunningTrial:
     spec: TrialSpec
     thread: threading.Thread
-
-
-def _pid_is_trial_worker(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"agents.trial_worker" in cmdline
 
 
 class Agent:
@@ -165,7 +158,7 @@ class Agent:
         """Kill a trial child left by a previous agent process that died (SIGKILL) mid-trial."""
         assert self.outbox is not None
         st = self.outbox.get_state("trial_child")
-        if st and isinstance(st.get("pid"), int) and _pid_is_trial_worker(st["pid"]):
+        if st and isinstance(st.get("pid"), int) and is_trial_child(st["pid"]):
             log.warning("killing trial child %d left by a previous agent run", st["pid"])
             with contextlib.suppress(OSError):
                 os.killpg(st["pid"], signal.SIGKILL)

@@ -1,6 +1,6 @@
 """Parent side of a trial: run ``agents.trial_worker`` in a child process and turn its result into a report.
 
-The child gets its own session (so its whole process group can be killed), a private work directory, the
+The child (forked from a fork server that has imported torch: :mod:`agents.trial_spawn`) gets its own session (so its whole process group can be killed), a private work directory, the
 node's environment (``TRITON_INTERPRET=1`` on CPU nodes, ``KERNELCTL_ARCH`` when the arch is overridden) and
 a wall-clock limit. The parent reads the child's RESULT file, not only its exit status: a result gives the
 outcome; no result plus a signal or non-zero exit is ``crash`` (signal / exit code / stderr tail in
@@ -18,8 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +29,7 @@ from pydantic import ValidationError
 
 from agents.inventory import NodeInventory, child_env
 from agents.trial_protocol import GPU_TIMING_LOCK_S, TrafficProfile, WorkerResult, WorkerSpec
+from agents.trial_spawn import TrialChild
 from kernelctl.wire import (
     ArmsLatency,
     CellLatency,
@@ -136,7 +135,7 @@ class TrialRunner:
 
     def __init__(self, cfg: TrialConfig) -> None:
         self.cfg = cfg
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: TrialChild | None = None
         self._abort = threading.Event()
         self._lock = threading.Lock()
 
@@ -175,31 +174,26 @@ class TrialRunner:
             result_path, log_path = workdir / "result.json", workdir / "child.log"
             env = child_env(self.cfg.node)
             env.update(self.cfg.extra_env)
-            with open(log_path, "wb") as logf, self._lock:
+            with self._lock:
                 if self._abort.is_set():
                     raise TrialAborted("aborted before start")
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "agents.trial_worker", str(workdir / "spec.json"), str(result_path)],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                    cwd=str(workdir), start_new_session=True,
-                )
+                self._proc = TrialChild([str(workdir / "spec.json"), str(result_path)], env, workdir, log_path)
             proc = self._proc
             if on_start is not None:
                 on_start(proc.pid)
-            timed_out = False
-            try:
-                proc.wait(timeout=self.cfg.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            rc = proc.wait(self.cfg.timeout_s)
+            timed_out = rc is None
+            if timed_out:
                 kill_group(proc.pid)
-                proc.wait()
+                rc = proc.wait()
             kill_group(proc.pid)  # anything the child left behind in its group
             with self._lock:
                 self._proc = None
             if self._abort.is_set():
                 raise TrialAborted("trial aborted")
             duration = time.monotonic() - started
-            return self._report(spec, idempotency_key, measured_at, duration, proc.returncode, timed_out,
+            assert rc is not None  # waited without a timeout
+            return self._report(spec, idempotency_key, measured_at, duration, rc, timed_out,
                                 result_path, log_path, workdir / "progress.json")
         finally:
             with self._lock:

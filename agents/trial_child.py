@@ -25,12 +25,18 @@ class TrialFailure(Exception):
 
 
 def die_with_parent(agent_pid: int | None) -> None:
-    """Ask the kernel to SIGKILL this process when the agent dies (no libc: nothing armed); exit 3 if it is gone."""
+    """Ask the kernel to SIGKILL this process when its parent (the agent's fork server, which exits with the
+    agent: :mod:`agents.trial_spawn`) dies (no libc: nothing armed); exit 3 if the agent is already gone."""
     with suppress(OSError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if agent_pid is not None and os.getppid() != agent_pid:
-        sys.exit(3)  # the agent died before we could arm the death signal
+    if agent_pid is not None:
+        try:
+            os.kill(agent_pid, 0)
+        except ProcessLookupError:
+            sys.exit(3)  # the agent died before we could arm the death signal
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _vm_size_bytes() -> int:

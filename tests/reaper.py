@@ -107,11 +107,22 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)  # after the conftest's own clean-up (the session's PostgreSQL cluster)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Every fixture has been finalized: whatever still runs was left behind."""
+    """Every fixture has been finalized: whatever still runs was left behind (multiprocessing's own helpers, the
+    trials' fork server and its resource tracker, live as long as the test process by design: stopped, not
+    reported)."""
+    helpers = {p for p in children() if _is_multiprocessing_helper(p)}
     if runs_tests(session.config):
-        left = stop_children()
+        left = [p for p in stop_children() if p not in helpers]
         if left:
             sys.stderr.write(f"stopped {len(left)} process(es) that tests left running: pids {left}\n")
+
+
+def _is_multiprocessing_helper(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"multiprocessing.forkserver" in cmd or b"multiprocessing.resource_tracker" in cmd
 
 
 def runs_tests(config: pytest.Config) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from sqlalchemy import create_engine, select
 
+from agents.trial_spawn import NAME as TRIAL_NAME
 from controller.db.models import Report
 from kernelctl.procs import kill, terminate
 
@@ -97,18 +98,20 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def trial_child_pids(self) -> list[int]:
-        """Live trial-worker processes started for this agent (found by their work dir)."""
+        """Live trial child processes started for this agent (named ``kernelctl-trial``, working in its trial
+        work dir)."""
         pids = []
-        marker = str(self.cache_dir / "trials").encode()
+        marker = str(self.cache_dir / "trials")
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
                 continue
             try:
-                cmd = (d / "cmdline").read_bytes()
+                comm = (d / "comm").read_text().strip()
+                cwd = os.readlink(d / "cwd")
                 stat = (d / "stat").read_text()
             except OSError:
                 continue
-            if b"agents.trial_worker" in cmd and marker in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            if comm == TRIAL_NAME and cwd.startswith(marker) and stat.rsplit(")", 1)[1].split()[0] != "Z":
                 pids.append(int(d.name))
         return pids
 
