@@ -12,8 +12,9 @@ program ids, grid and launch count) and then makes the launch last :data:`SLOW_P
 GPU's global nanosecond timer: program 0 records when it started, every program counts itself done on a
 device counter (one atomic add), and the program that finishes last waits the fraction of the time since that
 start, then resets the counter for the next launch. The fraction is a run-time argument; the counter is 16
-bytes of device memory per device, allocated once. Nothing else happens on the host: no calibration launches,
-copies or synchronisation that a trial's launch count, peak memory or phase time would see.
+bytes of device memory per device, allocated once and shared by the two twins of a process (:func:`_state`).
+Nothing else happens on the host: no calibration launches, copies or synchronisation that a trial's launch
+count, peak memory or phase time would see.
 
 An earlier form of this bundle (run AL, docs/gpu.md) spun 1% of each program's own cycles (``%clock64``): it
 measured 1.0026 in the median cell, since where programs of one SM overlap their memory traffic, one program's
@@ -40,6 +41,7 @@ import dataclasses
 import inspect
 import linecache
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -116,17 +118,21 @@ def _make_wrapper(kernel: Any, *, timed: bool) -> Any:
     return triton.jit(scope[name], do_not_specialize=["_slow_fraction"] if timed else ())
 
 
-_STATES: dict[int, Any] = {}
-
-
 def _state() -> Any:
-    """The launch counter of the current CUDA device: int64 [start ns, programs done], zero between launches."""
+    """The launch counter of the current CUDA device: int64 [start ns, programs done], zero between launches.
+
+    One per device for both twins of a process (kept in a module of their own in ``sys.modules``): with a
+    counter each, the two counters' places in device memory differed from process to process, and 1-token
+    launches, which pay the counter's atomics, measured 2.6-2.8% apart from trial to trial either way (runs
+    AM, AN; 0.33% without a counter, run AL). Launches on one stream never overlap, so they can share it."""
     import torch
 
+    home = sys.modules.setdefault("_llm_fused_slower_state", ModuleType("_llm_fused_slower_state"))
+    states: dict[int, Any] = home.__dict__.setdefault("states", {})
     device = torch.cuda.current_device()
-    if device not in _STATES:
-        _STATES[device] = torch.zeros(2, dtype=torch.int64, device=f"cuda:{device}")
-    return _STATES[device]
+    if device not in states:
+        states[device] = torch.zeros(2, dtype=torch.int64, device=f"cuda:{device}")
+    return states[device]
 
 
 def _slow_class(base: type) -> type:
