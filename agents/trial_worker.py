@@ -1,4 +1,5 @@
-"""The trial child process: ``python -m agents.trial_worker SPEC.json RESULT.json``.
+"""The trial child: ``agents.trial_worker.main([SPEC.json, RESULT.json])``, forked by :mod:`agents.trial_spawn`
+(``python -m agents.trial_worker SPEC.json RESULT.json`` runs the same by hand).
 
 Runs one trial of a candidate bundle against the stable one on this node and writes a ``WorkerResult``
 atomically: golden vectors, shape fuzzing inside each op's domain with fresh random inputs (error against the
