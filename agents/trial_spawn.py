@@ -8,7 +8,7 @@ session (the parent kills its whole group), with the trial's environment, workin
 predecessor left (:func:`is_trial_child`). It dies with the agent: the child's death signal is armed against
 the fork server, which exits as soon as the agent does.
 
-Only torch is preloaded. Triton decides when it is imported whether its own library functions are interpreted
+Preloaded: torch and the agent's main module (below). Triton decides when it is imported whether its own library functions are interpreted
 (``TRITON_INTERPRET``), so Triton and everything that defines kernels are imported in the child, after its
 environment is in place. Importing torch does not initialise CUDA, so a forked child can use the GPU.
 """
@@ -20,14 +20,28 @@ import ctypes
 import multiprocessing
 import os
 import sys
+import warnings
 from pathlib import Path
 
 NAME = "kernelctl-trial"
 """The trial child's process name (``/proc/PID/comm``, at most 15 characters)."""
 
 _PR_SET_NAME = 15
+# multiprocessing prepares a forked child as the parent's: it runs the parent's main module again (as
+# ``__mp_main__``, e.g. ``cli.app`` for ``python -m cli.app agent``: ~0.6 CPU-s of imports). Imported once in the
+# server, that costs each child nothing; runpy's note that the module is already imported is expected there.
+warnings.filterwarnings("ignore", message=r".*found in sys.modules after import of package", category=RuntimeWarning)
+
+
+def _preload() -> list[str]:
+    """What the fork server imports: this module (its warning filter), the agent's main module, torch."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return [__name__, "__main__", *([name] if name and not name.endswith("__main__") else []), "torch"]
+
+
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch"])
+_CTX.set_forkserver_preload(_preload())
 
 
 class TrialChild:
