@@ -35,9 +35,9 @@ warnings.filterwarnings("ignore", message=r".*found in sys.modules after import 
 
 def _preload() -> list[str]:
     """What the fork server imports: this module (its warning filter), the agent's main module, torch."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    return [__name__, "__main__", *([name] if name and not name.endswith("__main__") else []), "torch"]
+    spec = sys.modules["__main__"].__spec__  # None when run as a script or with -c
+    by_name = [spec.name] if spec is not None and not spec.name.endswith("__main__") else []
+    return [__name__, "__main__", *by_name, "torch"]
 
 
 _CTX = multiprocessing.get_context("forkserver")
