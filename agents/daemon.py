@@ -82,6 +82,11 @@ class AgentConfig:
     download_backoff_s: float = 1.0  # a failed download is tried again after about this long, doubling
     trial_env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def trials_dir(self) -> Path:
+        """Where the trial children work (a directory each)."""
+        return self.cache_dir / "trials"
+
 
 @dataclass
 class _RunningTrial:
@@ -145,7 +150,7 @@ class Agent:
                          for k, v in (self.outbox.get_state("serve_verdicts") or {}).items()}
         self.runner = TrialRunner(TrialConfig(
             node=self.node, trusted_keys_dir=cfg.trusted_keys_dir, loader_cache_dir=self.cache.loader_dir,
-            work_root=cfg.cache_dir / "trials", timeout_s=cfg.trial_timeout_s, profile=cfg.profile,
+            work_root=cfg.trials_dir, timeout_s=cfg.trial_timeout_s, profile=cfg.profile,
             extra_env=dict(cfg.trial_env),
         ))
         self.metrics.outbox_depth.set(self.outbox.depth())
@@ -158,7 +163,7 @@ class Agent:
         """Kill a trial child left by a previous agent process that died (SIGKILL) mid-trial."""
         assert self.outbox is not None
         st = self.outbox.get_state("trial_child")
-        if st and isinstance(st.get("pid"), int) and is_trial_child(st["pid"]):
+        if st and isinstance(st.get("pid"), int) and is_trial_child(st["pid"], self.cfg.trials_dir):
             log.warning("killing trial child %d left by a previous agent run", st["pid"])
             with contextlib.suppress(OSError):
                 os.killpg(st["pid"], signal.SIGKILL)

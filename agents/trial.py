@@ -1,7 +1,7 @@
 """Parent side of a trial: run ``agents.trial_worker`` in a child process and turn its result into a report.
 
-The child (forked from a fork server that has imported torch: :mod:`agents.trial_spawn`) gets its own session (so its whole process group can be killed), a private work directory, the
-node's environment (``TRITON_INTERPRET=1`` on CPU nodes, ``KERNELCTL_ARCH`` when the arch is overridden) and
+The child (forked from a fork server that has imported torch: :mod:`agents.trial_spawn`) gets its own session
+(so its whole process group can be killed), a private work directory, the node's environment (``TRITON_INTERPRET=1`` on CPU nodes, ``KERNELCTL_ARCH`` when the arch is overridden) and
 a wall-clock limit. The parent reads the child's RESULT file, not only its exit status: a result gives the
 outcome; no result plus a signal or non-zero exit is ``crash`` (signal / exit code / stderr tail in
 ``detail``); a child past its limit is killed and reported as ``hang``. An abort request (agent shutdown,

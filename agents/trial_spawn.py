@@ -8,9 +8,9 @@ session (the parent kills its whole group), with the trial's environment, workin
 predecessor left (:func:`is_trial_child`). It dies with the agent: the child's death signal is armed against
 the fork server, which exits as soon as the agent does.
 
-Preloaded: torch and the agent's main module (below). Triton decides when it is imported whether its own library functions are interpreted
-(``TRITON_INTERPRET``), so Triton and everything that defines kernels are imported in the child, after its
-environment is in place. Importing torch does not initialise CUDA, so a forked child can use the GPU.
+Preloaded: torch and the agent's main module (below). Triton decides when it is imported whether its own
+library functions are interpreted (``TRITON_INTERPRET``), so Triton and everything that defines kernels are
+imported in the child, after its environment is in place. Importing torch does not initialise CUDA, so a forked child can use the GPU.
 """
 
 from __future__ import annotations
@@ -62,10 +62,12 @@ class TrialChild:
         return self._proc.exitcode
 
 
-def is_trial_child(pid: int) -> bool:
-    """Whether ``pid`` is a live trial child (of any agent on this machine)."""
+def is_trial_child(pid: int, work_root: Path) -> bool:
+    """Whether ``pid`` is a live trial child working under ``work_root`` (an agent's trial directories; a zombie
+    has no working directory)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == NAME
+        return (Path(f"/proc/{pid}/comm").read_text().strip() == NAME
+                and os.readlink(f"/proc/{pid}/cwd").startswith(str(work_root)))
     except OSError:
         return False
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from sqlalchemy import create_engine, select
 
-from agents.trial_spawn import NAME as TRIAL_NAME
+from agents.trial_spawn import is_trial_child
 from controller.db.models import Report
 from kernelctl.procs import kill, terminate
 
@@ -98,22 +98,10 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def trial_child_pids(self) -> list[int]:
-        """Live trial child processes started for this agent (named ``kernelctl-trial``, working in its trial
-        work dir)."""
-        pids = []
-        marker = str(self.cache_dir / "trials")
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                comm = (d / "comm").read_text().strip()
-                cwd = os.readlink(d / "cwd")
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if comm == TRIAL_NAME and cwd.startswith(marker) and stat.rsplit(")", 1)[1].split()[0] != "Z":
-                pids.append(int(d.name))
-        return pids
+        """Live trial child processes started for this agent (:func:`agents.trial_spawn.is_trial_child`)."""
+        work_root = self.cache_dir / "trials"
+        return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+                and is_trial_child(int(d.name), work_root)]
 
     def __enter__(self) -> AgentProcess:
         return self.start()

@@ -70,8 +70,9 @@ sc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sc)
 aot = sw.aot("bf16", {})[-1]
 wrapper = sc._make_wrapper(aot.fn, timed=True)
-k = compile(ASTSource(wrapper, signature={**aot.signature, "_slow_state": "*i64", "_slow_fraction": "fp32"}, constexprs=aot.constexprs),
-            target=GPUTarget("cuda", 90, 32), options={"num_warps": aot.num_warps})
+sig = {**aot.signature, "_slow_state": "*i64", "_slow_fraction": "fp32"}
+k = compile(ASTSource(wrapper, signature=sig, constexprs=aot.constexprs), target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": aot.num_warps})
 print(k.asm["ptx"])
 """
 
