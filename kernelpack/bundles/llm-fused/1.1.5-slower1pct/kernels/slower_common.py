@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 SLOW_PERCENT = 1
-"""How much longer each program runs, in percent of the cycles its stable body took."""
+"""How much longer each launch runs, in percent of the time from its first program's start to its last one's end."""
 WRAPPED: list[str] = []
 """Names of the kernels launched through a wrapper so far (tests read it)."""
 
