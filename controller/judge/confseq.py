@@ -20,6 +20,15 @@ Choices, argued (and measured with ``kernelctl sim judge``, docs/benchmarks.md, 
   pass: ``[-far, m0 + D]``). The largest safe stake is ``1/D``, not ``1/(2*clip)`` as for a two-sided
   bounded-data sequence, which is what makes a +5% regression detectable on one node in ~10 samples
   instead of ~36. The far end (``clip``) bounds what one outlier report can win.
+* **The pass side's near bound follows the noise.** Its distance D_t from the margin at sample t is
+  ``PASS_SDS`` predictable long-run standard deviations (variance times the dependence factor kappa below) of
+  the samples before t (winsorised to the far bound only; the prior, weight ``PRIOR_N``, says D), kept within
+  [``PASS_MIN_SHARE`` D, D]. A steady candidate (per-report sd
+  0.3%, as a GPU's paired cells are) then stakes up to ``c / D_t`` with D_t near 1.5% instead of 3% and passes in
+  about 11 reports instead of 16; a noisy one keeps D (its clipped mean is never lowered more than with a
+  fixed D), so no candidate passes more easily for being noisier. D_t is a function of the samples before t,
+  so every factor is still at least ``1 - c`` and the wealth a supermartingale under H0 (of the winsorised
+  mean, as before).
 * **Bet size.** ``l_t = min(g / (kappa v), c / (m - lo))``: the Gaussian-Kelly fraction for the running
   gap ``g`` between the (prior-shrunk) running mean and the margin and the running variance ``v``,
   truncated at a share c (default 3/4) of the largest safe stake (the paper's truncation, Sec. 5). No bet
@@ -69,6 +78,12 @@ candidate on one canary is rolled back in ~8 reports instead of ~11)."""
 
 MAX_RHO = 0.995
 """Largest lag-1 correlation the within-node dependence estimate may apply (kappa up to ~400, no cap of 10)."""
+
+PASS_SDS = 4.0
+"""The pass side's near bound is at least this many predictable standard deviations above the margin."""
+
+PASS_MIN_SHARE = 1.0 / 3.0
+"""The pass side's near-bound distance never falls below this share of D (``resolution``)."""
 
 RESTART_EVERY = 16
 """Samples between the starts of the regress side's restarted tests (see :func:`margin_test`)."""
@@ -179,24 +194,43 @@ def bet_size(gap: np.ndarray, kappa: np.ndarray, var: np.ndarray) -> np.ndarray:
     return np.maximum(gap, 0.0) / (kappa * var)
 
 
+def pass_resolution(var: np.ndarray, kappa: np.ndarray, resolution: float) -> np.ndarray:
+    """The pass side's near-bound distance D_t: ``PASS_SDS`` predictable long-run standard deviations
+    ``sqrt(kappa v)`` of the far-winsorised samples before t (their running variance ``v``, prior
+    ``(D / PASS_SDS)^2``, i.e. D_t = D, and dependence factor ``kappa``), within [``PASS_MIN_SHARE`` D, D]."""
+    return np.clip(PASS_SDS * np.sqrt(kappa * var), PASS_MIN_SHARE * resolution, resolution)
+
+
+def pass_prior_var(resolution: float) -> float:
+    """Prior variance of the moments that set the pass side's near bound (:func:`pass_resolution`)."""
+    return (resolution / PASS_SDS) ** 2
+
+
 def bets(x: np.ndarray, *, side: str, margin: float, resolution: float = DEFAULT_RESOLUTION,
-         far: float = DEFAULT_CLIP, prev: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Winsorised samples and the predictable bet ``lambda*_t`` of one one-sided test (last axis = time).
+         far: float = DEFAULT_CLIP, prev: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray, float | np.ndarray]:
+    """Winsorised samples, the predictable bet ``lambda*_t`` and the upper winsorisation bound (the pass
+    side's moves with :func:`pass_resolution`, one per sample) of one one-sided test (last axis = time).
 
     ``lambda*_t = max(g, 0) / (kappa * v)`` with ``g`` the distance of the running mean (regress: the
-    recent mean, :func:`recent_mean`) beyond the margin in the test's direction, ``v`` the running variance and ``kappa`` the within-node dependence factor (estimated
-    from the lag-1 correlation of consecutive samples of the same node, ``prev[t]`` = index of the previous
-    sample of sample t's node or -1). Everything at index t uses samples before t only (predictable).
+    recent mean, :func:`recent_mean`) beyond the margin in the test's direction, ``v`` the running variance
+    and ``kappa`` the within-node dependence factor (estimated from the lag-1 correlation of consecutive
+    samples of the same node, ``prev[t]`` = index of the previous sample of sample t's node or -1).
+    Everything at index t uses samples before t only (predictable).
     """
     lo, hi = side_bounds(side, margin, resolution, far)
-    y = np.clip(np.asarray(x, dtype=np.float64), lo, hi)
+    x = np.asarray(x, dtype=np.float64)
+    if side == "pass":
+        _, var_f, kappa_f = _prev_moments(np.clip(x, lo, far), margin, pass_prior_var(resolution), PRIOR_N, prev)
+        hi = margin + pass_resolution(var_f, kappa_f, resolution)
+    y = np.clip(x, lo, hi)
     mu, var, kappa = _prev_moments(y, margin, prior_var(resolution), PRIOR_N, prev)
     gap = recent_mean(y, margin, PRIOR_N) - margin if side == "regress" else margin - mu
-    return y, bet_size(gap, kappa, var)
+    return y, bet_size(gap, kappa, var), hi
 
 
-def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float, hi: float,
-               cap: float = DEFAULT_BET_CAP) -> np.ndarray:
+def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float,
+               hi: float | np.ndarray, cap: float = DEFAULT_BET_CAP) -> np.ndarray:
     """Log-wealth of the bet against ``H0: mean <= m`` (regress: its running maximum) / ``>= m`` (pass: now).
 
     Wealth ``prod (1 + l_i (y_i - m))`` (regress) or ``prod (1 + l_i (m - y_i))`` (pass) with
@@ -208,8 +242,8 @@ def log_wealth(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: s
     return np.maximum.accumulate(wealth, axis=-1) if side == "regress" else wealth
 
 
-def log_factors(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float, hi: float,
-                cap: float = DEFAULT_BET_CAP) -> np.ndarray:
+def log_factors(y: np.ndarray, lam: np.ndarray, m: float | np.ndarray, *, side: str, lo: float,
+                hi: float | np.ndarray, cap: float = DEFAULT_BET_CAP) -> np.ndarray:
     """Per-sample log-wealth increments ``log(1 + l_i (y_i - m))`` (pass: ``(m - y_i)``) of :func:`log_wealth`."""
     m = np.asarray(m, dtype=np.float64)
     if side == "regress":
@@ -244,8 +278,8 @@ def margin_test(x: np.ndarray, *, side: str, margin: float, resolution: float = 
     looks, to a test over the whole series, like a strongly autocorrelated one (the level shift inflates the
     lag-1 correlation, and the bet shrinks); a test started after the shift sees a steady slower candidate.
     """
-    lo, hi = side_bounds(side, margin, resolution, far)
-    y, lam = bets(x, side=side, margin=margin, resolution=resolution, far=far, prev=prev)
+    lo, _ = side_bounds(side, margin, resolution, far)
+    y, lam, hi = bets(x, side=side, margin=margin, resolution=resolution, far=far, prev=prev)
     out = log_wealth(y, lam, margin, side=side, lo=lo, hi=hi, cap=cap)
     if side != "regress":
         return out
@@ -257,7 +291,7 @@ def margin_test(x: np.ndarray, *, side: str, margin: float, resolution: float = 
         if prev is not None:
             sub_prev = np.asarray(prev)[start:] - start
             sub_prev[sub_prev < 0] = -1
-        ys, ls = bets(x[..., start:], side=side, margin=margin, resolution=resolution, far=far, prev=sub_prev)
+        ys, ls, _ = bets(x[..., start:], side=side, margin=margin, resolution=resolution, far=far, prev=sub_prev)
         w = log_wealth(ys, ls, margin, side=side, lo=lo, hi=hi, cap=cap) - restart_penalty(j)
         out[..., start:] = np.maximum(out[..., start:], w)
     return out
@@ -277,11 +311,11 @@ def confidence_bound(x: np.ndarray, *, side: str, alpha: float, margin: float,
     """
     x = np.asarray(x, dtype=np.float64)
     lo, hi = side_bounds(side, margin, resolution, far)
-    y, lam = bets(x, side=side, margin=margin, resolution=resolution, far=far, prev=prev)
+    y, lam, hi_t = bets(x, side=side, margin=margin, resolution=resolution, far=far, prev=prev)
     thr = math.log(1.0 / alpha)
 
     def rejects(m: float) -> bool:
-        return bool(log_wealth(y, lam, m, side=side, lo=lo, hi=hi, cap=cap)[-1] >= thr)
+        return bool(log_wealth(y, lam, m, side=side, lo=lo, hi=hi_t, cap=cap)[-1] >= thr)
 
     return bisect_bound(rejects, side=side, lo=lo, hi=hi, far=far, iters=iters)
 

@@ -49,6 +49,8 @@ from controller.judge.confseq import (
     dependence,
     log_factors,
     moments,
+    pass_prior_var,
+    pass_resolution,
     prior_var,
     recent_from_sum,
     restart_penalty,
@@ -126,18 +128,60 @@ class NodeState:
         return keep, np.asarray(prev, dtype=np.int64)
 
 
+class CarriedMoments:
+    """The predictable running mean, variance and dependence factor of one series
+    (:func:`~controller.judge.confseq.moments`, :func:`~controller.judge.confseq.dependence`) for each of
+    several tests started at ``starts`` (rows), carried as the sums they are made of."""
+
+    def __init__(self, margin: float, prior_var: float) -> None:
+        self.margin, self.prior_var = margin, prior_var
+        self.y = _Grow(np.float64)  # the series, for the previous-sample look-ups
+        self.sums = np.zeros((6, 0))  # per row: sums of y, y^2, pairs, yc*yp, yc, yp over its samples so far
+
+    def add_rows(self, rows: int) -> None:
+        self.sums = np.concatenate([self.sums, np.full((6, rows), _ID)], axis=1)
+
+    def extend(self, y: np.ndarray, prev: np.ndarray | None, starts: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Append ``y`` (k samples); (mean, variance, kappa, samples before, live) of each row at each of them,
+        shape rows x k (``live`` false where a row's test starts after the sample)."""
+        n0, k = self.y.n, y.size
+        self.y.append(y)
+        t = (n0 + np.arange(k))[None, :] - starts[:, None]
+        live = t >= 0  # a restart begun inside this batch has no samples before its start
+        t = t.astype(np.float64)
+        yb = np.broadcast_to(y, t.shape)
+        if prev is None:
+            vals = np.stack([yb, yb * yb])
+        else:
+            yall = self.y.view
+            has = (prev[None, :] >= starts[:, None]).astype(np.float64)
+            yp = np.where(has > 0, yall[np.maximum(prev, 0)][None, :], yall[starts][:, None]) * has
+            yc = y * has
+            vals = np.stack([yb, yb * yb, has, yc * yp, yc, yp])
+        vals = np.where(live, vals, _ID)
+        run = _continue(self.sums[:len(vals)], vals)
+        self.sums[:len(vals)] = run[..., -1]
+        before = np.where(t == 0, 0.0, run[..., :-1])  # a fresh test's first sum is 0.0, as the full pass has
+        mu, var, mean_d, ss = moments(before[0], before[1], t, self.margin, self.prior_var, PRIOR_N)
+        kappa = (np.ones_like(var) if prev is None else
+                 dependence(before[3], before[4], before[5], before[2], mean_d, ss, t, self.prior_var, PRIOR_N))
+        return mu, var, kappa, t, live
+
+
 class RunningSide:
     """One one-sided test at the margin (regress: with its restarted tests as further rows), carried."""
 
     def __init__(self, side: str, *, margin: float, resolution: float, far: float, cap: float) -> None:
-        self.side, self.margin, self.cap = side, margin, cap
+        self.side, self.margin, self.cap, self.resolution, self.far = side, margin, cap, resolution, far
         self.lo, self.hi = side_bounds(side, margin, resolution, far)
-        self.prior_var = prior_var(resolution)
         self.beta = 0.5 ** (1.0 / RECENT_HALF_LIFE)
-        self.y = _Grow(np.float64)  # winsorised samples, for the previous-sample look-ups
+        self.moments = CarriedMoments(margin, prior_var(resolution))  # of the winsorised samples
+        # pass: of the samples winsorised to the far bound only, which set the near bound (pass_resolution)
+        self.far_moments = CarriedMoments(margin, pass_prior_var(resolution))
+        self.far_moments.add_rows(1)
         self.starts = np.zeros(0, dtype=np.int64)
         self.penalty = np.zeros(0)
-        self.sums = np.zeros((6, 0))  # per row: sums of y, y^2, pairs, yc*yp, yc, yp over its samples so far
         self.zi = np.zeros((0, 1))  # recent-mean filter state (regress)
         self.last_num = np.zeros(0)  # the filter's output at the last sample
         self.wealth = np.zeros(0)  # log-wealth now, per row
@@ -145,24 +189,35 @@ class RunningSide:
 
     @property
     def n(self) -> int:
-        return self.y.n
+        return self.moments.y.n
 
     def _add_rows(self, starts: list[int]) -> None:
         j0 = self.starts.size
         self.starts = np.concatenate([self.starts, np.asarray(starts, dtype=np.int64)])
         self.penalty = np.concatenate([self.penalty, [restart_penalty(j0 + i) for i in range(len(starts))]])
-        self.sums = np.concatenate([self.sums, np.full((6, len(starts)), _ID)], axis=1)
+        self.moments.add_rows(len(starts))
         self.zi = np.concatenate([self.zi, np.zeros((len(starts), 1))])
         self.last_num = np.concatenate([self.last_num, np.zeros(len(starts))])
         self.wealth = np.concatenate([self.wealth, np.full(len(starts), _ID)])
         self.peak = np.concatenate([self.peak, np.full(len(starts), -np.inf)])
 
-    def extend(self, x: np.ndarray, prev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _upper(self, x: np.ndarray, prev: np.ndarray | None) -> float | np.ndarray:
+        """Upper winsorisation bound of each of the samples ``x`` (the pass side's follows
+        :func:`~controller.judge.confseq.pass_resolution`; the regress side's is fixed)."""
+        if self.side != "pass":
+            return self.hi
+        if x.size == 0:
+            return np.zeros(0)
+        with np.errstate(all="ignore"):
+            _, var, kappa, _, _ = self.far_moments.extend(np.clip(x, self.lo, self.far), prev, np.zeros(1, np.int64))
+        return self.margin + pass_resolution(var[0], kappa[0], self.resolution)
+
+    def extend(self, x: np.ndarray, prev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Append used samples ``x`` (``prev``: index of each one's previous same-node sample, or -1);
-        returns their winsorised values and the whole-series test's bets on them."""
+        returns their winsorised values, the whole-series test's bets on them and their upper bounds."""
         n0, k = self.n, x.size
-        y = np.clip(x, self.lo, self.hi)
-        self.y.append(y)
+        hi = self._upper(x, prev)
+        y = np.clip(x, self.lo, hi)
         new = [] if self.starts.size else [0]  # the test over the whole series, then (regress) the restarts
         if self.side == "regress":
             new += list(range(int(self.starts[-1]) + RESTART_EVERY if self.starts.size else RESTART_EVERY,
@@ -170,28 +225,10 @@ class RunningSide:
         if new:
             self._add_rows(new)
         if k == 0:
-            return y, np.zeros(0)
-        starts = self.starts
-        t = (n0 + np.arange(k))[None, :] - starts[:, None]
-        live = t >= 0  # a restart begun inside this batch has no samples before its start
-        t = t.astype(np.float64)
-        yb = np.broadcast_to(y, t.shape)
+            return y, np.zeros(0), np.zeros(0)
         with np.errstate(all="ignore"):  # columns before a row's start are computed, then ignored
-            if prev is None:
-                vals = np.stack([yb, yb * yb])
-            else:
-                yall = self.y.view
-                has = (prev[None, :] >= starts[:, None]).astype(np.float64)
-                yp = np.where(has > 0, yall[np.maximum(prev, 0)][None, :], yall[starts][:, None]) * has
-                yc = y * has
-                vals = np.stack([yb, yb * yb, has, yc * yp, yc, yp])
-            vals = np.where(live, vals, _ID)
-            run = _continue(self.sums[:len(vals)], vals)
-            self.sums[:len(vals)] = run[..., -1]
-            before = np.where(t == 0, 0.0, run[..., :-1])  # a fresh test's first sum is 0.0, as the full pass has
-            mu, var, mean_d, ss = moments(before[0], before[1], t, self.margin, self.prior_var, PRIOR_N)
-            kappa = (np.ones_like(var) if prev is None else
-                     dependence(before[3], before[4], before[5], before[2], mean_d, ss, t, self.prior_var, PRIOR_N))
+            mu, var, kappa, t, live = self.moments.extend(y, prev, self.starts)
+            yb = np.broadcast_to(y, t.shape)
             if self.side == "regress":
                 from scipy.signal import lfilter
 
@@ -202,13 +239,13 @@ class RunningSide:
             else:
                 gap = self.margin - mu
             lam = bet_size(gap, kappa, var)
-            f = np.where(live, log_factors(yb, lam, self.margin, side=self.side, lo=self.lo, hi=self.hi,
+            f = np.where(live, log_factors(yb, lam, self.margin, side=self.side, lo=self.lo, hi=hi,
                                            cap=self.cap), _ID)
         w = _continue(self.wealth, f)
         self.wealth = w[:, -1]
         if self.side == "regress":
             self.peak = np.maximum(self.peak, np.where(live, w[:, 1:], -np.inf).max(axis=1))
-        return y, lam[0]
+        return y, lam[0], np.broadcast_to(hi, y.shape)
 
     def log_wealth(self) -> float:
         """The test's value at the margin now: regress the best restart's running maximum net of its level
@@ -226,18 +263,20 @@ class BoundSearch:
         self.side, self.lo, self.hi, self.far, self.cap = side, lo, hi, far, cap
         self.y = _Grow(np.float64)
         self.lam = _Grow(np.float64)
+        self.upper = _Grow(np.float64)  # each sample's upper winsorisation bound
         self.ms: dict[float, int] = {}  # m -> row of ``wealth``/``peak``
         self.wealth = np.zeros(0)
         self.peak = np.zeros(0)
         self.computed = 0  # points computed over the whole series (for the tests and the benchmark)
 
-    def extend(self, y: np.ndarray, lam: np.ndarray) -> None:
+    def extend(self, y: np.ndarray, lam: np.ndarray, upper: np.ndarray) -> None:
         self.y.append(y)
         self.lam.append(lam)
+        self.upper.append(upper)
         if self.ms and y.size:
             m = np.fromiter(self.ms, dtype=np.float64, count=len(self.ms))[:, None]
             w = _continue(self.wealth, log_factors(y[None, :], lam[None, :], m, side=self.side, lo=self.lo,
-                                                   hi=self.hi, cap=self.cap))
+                                                   hi=upper[None, :], cap=self.cap))
             self.wealth = w[:, -1]
             self.peak = np.maximum(self.peak, w[:, 1:].max(axis=1))
 
@@ -248,8 +287,8 @@ class BoundSearch:
             i = self.ms[m]
             w, p = float(self.wealth[i]), float(self.peak[i])
         else:
-            run = np.cumsum(log_factors(self.y.view, self.lam.view, m, side=self.side, lo=self.lo, hi=self.hi,
-                                        cap=self.cap))
+            run = np.cumsum(log_factors(self.y.view, self.lam.view, m, side=self.side, lo=self.lo,
+                                        hi=self.upper.view, cap=self.cap))
             w, p = float(run[-1]), float(run.max())
             self.computed += 1
         asked[m] = (w, p)
@@ -305,8 +344,7 @@ class LatencyState:
         self.source, self.consumed = samples, len(samples)
         self.x.append(x)
         for side, run in self.sides.items():
-            y, lam = run.extend(x, prev)
-            self.bounds[side].extend(y, lam)
+            self.bounds[side].extend(*run.extend(x, prev))
 
     def verdict(self, *, alpha: float, min_samples: int, alpha_pass: float | None = None) -> LatencyVerdict:
         margin, resolution, clip, cap, share = self.params

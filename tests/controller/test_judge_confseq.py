@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from controller.judge.confseq import confidence_bound, margin_test
+from controller.judge import confseq
+from controller.judge.confseq import DEFAULT_RESOLUTION, bets, confidence_bound, margin_test
 
 MARGIN = math.log(1.02)
 
@@ -67,6 +68,34 @@ def test_bounds_are_consistent_with_the_margin_tests() -> None:
         down = margin_test(x, side="pass", margin=MARGIN)[-1] >= math.log(1 / alpha)
         assert (lower >= MARGIN - 1e-6) == up and (upper <= MARGIN + 1e-6) == down
         assert lower < mean + 0.01 and upper > mean - 0.01  # the bounds bracket the truth here
+
+
+def _first_pass(x: np.ndarray, alpha: float = 0.05) -> np.ndarray:
+    """Reports until each run's pass test first reached 1/alpha (999: never)."""
+    hit = margin_test(x, side="pass", margin=MARGIN, prev=np.arange(x.shape[-1]) - 1) >= math.log(1 / alpha)
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, 999)
+
+
+def test_a_steady_candidate_inside_the_margin_passes_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the GPU's paired cells: +1% (one point inside the 2% margin), per-report sd 0.33%
+    x = np.random.default_rng(3).normal(math.log(1.01), 0.0033, (400, 40))
+    adaptive = np.median(_first_pass(x))
+    monkeypatch.setattr(confseq, "PASS_MIN_SHARE", 1.0)  # the near bound fixed at D, as before
+    fixed = np.median(_first_pass(x))
+    assert adaptive <= 12 and fixed >= 14, (adaptive, fixed)
+
+
+def test_a_noisier_candidate_keeps_the_full_bound_and_passes_no_sooner() -> None:
+    rng = np.random.default_rng(4)
+    steady = rng.normal(math.log(1.01), 0.0033, (400, 40))
+    noisy = rng.normal(math.log(1.01), 0.02, (400, 40))
+    _, _, hi = bets(noisy, side="pass", margin=MARGIN, prev=np.arange(40) - 1)
+    assert np.median(hi[:, 10:] - MARGIN) >= 0.99 * DEFAULT_RESOLUTION  # its clipped mean is lowered no more
+    assert np.median(_first_pass(noisy)) > np.median(_first_pass(steady))
+    # and at the margin, steady or noisy, a pass stays within the level
+    for sd in (0.0033, 0.01, 0.02):
+        at = rng.normal(MARGIN, sd, (2000, 60))
+        assert (_first_pass(at) < 999).mean() <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 2000), sd
 
 
 def test_bad_side_refused() -> None:
