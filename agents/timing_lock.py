@@ -6,7 +6,10 @@ numeric checks ran kernels on the same GPU, and a 5 us kernel measured p50 5 us 
 (docs/gpu.md, run S: the per-report mean of an identical candidate moved by +-20-30% in small cells). So every
 trial child holds the device **shared** while it uses the GPU for checks (:func:`gpu_share`: numerics and
 capacity) and **exclusively** while it times (:func:`timing_lock`: latency and end-to-end); checks overlap each
-other, nothing overlaps a timed phase.
+other, nothing overlaps a timed phase. The checks take their shared hold per unit of work (:class:`CheckHolds`:
+one op and dtype, one shape), not for all of them at once: a timer then waits for the units running now, not for
+every check of every other trial (run AP on an H200: a held-for-all-checks share made timers wait 19-66 s and
+trials take 83 s median with four agents on one GPU).
 
 Both are ``fcntl.flock`` on ``<key>.lock`` in a host-wide directory (``KERNELCTL_TIMING_LOCK_DIR``, default
 ``<tmp>/kernelctl-timing-locks``), the key named after the device (the GPU's UUID, else its PCI bus id; ``cpu``
@@ -111,6 +114,38 @@ def _device_lock(key: str, timeout_s: float, directory: Path | None, *, exclusiv
     finally:
         os.close(fd)  # releases the lock
         os.close(gate)
+
+
+class CheckHolds:
+    """The checks' shared holds on one device, one per unit of check work, with one wait budget for the trial.
+
+    Each :meth:`hold` takes the device shared for one unit (between two units a timer waiting at the turnstile
+    gets the device). Their waits together are bounded by ``timeout_s``: once the trial has waited that long in
+    all, further units run without the lock (a wedged neighbour must not make every unit wait). ``timeout_s`` <=
+    0: no lock at all. :meth:`summary` is the :class:`LockWait` of the checks as a whole."""
+
+    def __init__(self, key: str, timeout_s: float, directory: Path | None = None) -> None:
+        self.key, self.timeout_s, self.directory = key, timeout_s, directory
+        self.waited_s = 0.0
+        self.units = 0
+        self.missed = 0  # units that ran without the lock
+        self.error: str | None = None
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.timeout_s <= 0:
+            yield
+            return
+        budget = 0.0 if self.error is not None else max(self.timeout_s - self.waited_s, 0.0)
+        with _device_lock(self.key, budget, self.directory, exclusive=False) as wait:
+            self.units += 1
+            self.waited_s += wait.waited_s
+            self.error = self.error or wait.error
+            self.missed += not wait.held
+            yield
+
+    def summary(self) -> LockWait:
+        return LockWait(self.key, waited_s=self.waited_s, held=self.missed == 0, error=self.error)
 
 
 @contextmanager

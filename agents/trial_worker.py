@@ -43,7 +43,6 @@ class Worker:
         self.spec = spec
         self.result = WorkerResult(outcome="ok")
         self.notes: list[str] = [f"seed={spec.seed}"]
-        self.share = ExitStack()  # the checks' shared hold on the device; the first timed phase lets go of it
         self.timing = ExitStack()  # the timed phases' exclusive hold, taken by the first one
         self.timing_held = False
 
@@ -71,25 +70,21 @@ class Worker:
         latency and end-to-end phases back to back); the wait is phase ``<name>_lock``."""
         from agents.timing_lock import device_key, timing_lock
 
-        self.share.close()  # a process holding the device shared would wait for itself
-        if self.spec.timing_lock_s > 0 and not self.timing_held:
-            with self.phase(f"{name}_lock"):
-                wait = self.timing.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+        if not self.timing_held:  # the first timed phase: the checks are over
+            self._checks_held()
+            if self.spec.timing_lock_s > 0:
+                with self.phase(f"{name}_lock"):
+                    wait = self.timing.enter_context(timing_lock(device_key(self.device), self.spec.timing_lock_s))
+                self._lock_note(name, "timed", wait)
             self.timing_held = True
-            self._lock_note(name, "timed", wait)
         with self.phase(name):
             yield
 
-    def _hold_share(self) -> None:
-        """Hold the device shared for the checks (:func:`agents.timing_lock.gpu_share`): other trials' checks may
-        run beside them, no timed phase may; the wait is phase ``share_lock``."""
-        from agents.timing_lock import device_key, gpu_share
-
-        if self.spec.timing_lock_s <= 0:
-            return
-        with self.phase("share_lock"):
-            wait = self.share.enter_context(gpu_share(device_key(self.device), self.spec.timing_lock_s))
-        self._lock_note("checks", "ran", wait)
+    def _checks_held(self) -> None:
+        """The checks' shared holds (:class:`agents.timing_lock.CheckHolds`) in the phase timings
+        (``share_lock``: their waits in all, also counted in the phase that waited) and notes."""
+        self.result.seconds["share_lock"] = self.holds.waited_s
+        self._lock_note("checks", "ran", self.holds.summary())
 
     def _lock_note(self, name: str, verb: str, wait: LockWait) -> None:
         if wait.error is not None:
@@ -146,10 +141,15 @@ class Worker:
         self.stable = {n: (b.op, b.config) for n, b in stable.ops.items() if b.supported} if stable else {}
         self.cand_bundle = cand
         self.stable_bundle = stable
-        with self.share, self.timing:
-            self._hold_share()
+        from agents.timing_lock import CheckHolds, device_key
+
+        on = spec.timing_lock_s > 0
+        self.holds = CheckHolds(device_key(self.device) if on else "", spec.timing_lock_s)
+        self.result.seconds["share_lock"] = 0.0
+        with self.timing:
             self._numerics()
             if self.result.outcome != "ok":
+                self._checks_held()
                 return
             self._latency()
             self._e2e()
@@ -233,8 +233,9 @@ class Worker:
                     if g.op not in self.cand or g.dtype not in self._dtypes(self.cand[g.op][0]):
                         continue
                     blob = (bundle.root / g.path).read_bytes()
-                    self._record(check_golden(self._contract(g.op), self.cand[g.op][1], blob, device=self.device),
-                                 kind)
+                    with self.holds.hold():
+                        res = check_golden(self._contract(g.op), self.cand[g.op][1], blob, device=self.device)
+                    self._record(res, kind)
 
     def _fuzz(self) -> None:
         from kernelpack.harness.numerics import check_numerics, fuzz_shapes
@@ -249,8 +250,10 @@ class Worker:
                 against = self.stable.get(name)
                 for j, dtype in enumerate(self._dtypes(op)):
                     shapes = fuzz_shapes(op, spec.fuzz_shapes, rng)
-                    self._record(check_numerics(self._contract(name), cfg, dtype, shapes, device=self.device,
-                                                seed=spec.seed + 1000 * k + 100 * j, against=against), "fuzz")
+                    with self.holds.hold():
+                        res = check_numerics(self._contract(name), cfg, dtype, shapes, device=self.device,
+                                             seed=spec.seed + 1000 * k + 100 * j, against=against)
+                    self._record(res, "fuzz")
 
     def _edge(self) -> None:
         from kernelpack.harness.edge import check_edge
@@ -264,7 +267,8 @@ class Worker:
                 shape = dict(min(op.test_shapes, key=lambda s: math.prod(s.values())))
                 for dtype in self._dtypes(op):
                     try:
-                        outs = check_edge((op, cfg), self.stable.get(name), dtype, shape, device=self.device)
+                        with self.holds.hold():
+                            outs = check_edge((op, cfg), self.stable.get(name), dtype, shape, device=self.device)
                     except DomainError as exc:
                         self.notes.append(f"{name} {dtype}: edge values skipped: {exc}")
                         continue
@@ -288,18 +292,21 @@ class Worker:
                 for shape in self._production_shapes(op, dtype):
                     key = shape_key(name, dtype, shape)
                     try:
-                        if key in known:  # checked before: only the bits of a fresh run are compared
-                            now = candidate_fingerprints((op, cfg), dtype, shape, device=self.device)
-                            if now == known[key]:
-                                reused += 1
-                                continue
-                            self.notes.append(f"{name} {dtype} {shape}: output bits differ from the checked "
-                                              "run's (nondeterministic): production check run again")
-                        prints: list[list[str]] = []
-                        res, notes = check_production((op, cfg), self.stable.get(name), dtype, shape,
-                                                      device=self.device, token_dim=token_dim(shape),
-                                                      tolerance=tol, runs=2 if fingerprint else 1,
-                                                      fingerprints_out=prints if fingerprint else None)
+                        with self.holds.hold():
+                            if key in known:  # checked before: only the bits of a fresh run are compared
+                                now = candidate_fingerprints((op, cfg), dtype, shape, device=self.device)
+                                if now == known[key]:
+                                    reused += 1
+                                    continue
+                                self.notes.append(f"{name} {dtype} {shape}: output bits differ from the checked "
+                                                  "run's (nondeterministic): production check run again")
+                            prints: list[list[str]] = []
+                            res, notes = check_production((op, cfg), self.stable.get(name), dtype, shape,
+                                                          device=self.device, token_dim=token_dim(shape),
+                                                          tolerance=tol, runs=2 if fingerprint else 1,
+                                                          fingerprints_out=prints if fingerprint else None)
+                            if self.device.type == "cuda":
+                                sys.modules["torch"].cuda.empty_cache()  # imported in the import phase
                     except DomainError as exc:
                         self.notes.append(f"{name}: production numerics at {shape} skipped: {exc}")
                         continue
@@ -307,8 +314,6 @@ class Worker:
                     self._record(res, "production")
                     if prints and all(p == prints[0] for p in prints) and key not in known:
                         self.checked_prints[key] = prints[0]
-                    if self.device.type == "cuda":
-                        sys.modules["torch"].cuda.empty_cache()  # imported in the import phase
         if reused:
             self.notes.append(f"production checks not repeated at {reused} shape(s): the candidate's output bits "
                               "equal those of the run that passed them on this node (fingerprint memo)")
@@ -417,12 +422,14 @@ class Worker:
                 for tokens, shape in sorted(cells.items()):
                     row: dict[str, Any] = {"op": name, "tokens": tokens}
                     try:
-                        for role, versions in (("candidate", self.cand), ("stable", self.stable)):
-                            if name not in versions:
-                                continue
-                            launches, mem = self._capacity(versions[name], dtype, shape, measure_launches, peak_memory_bytes,
-                                                           count_launches, make_generator, resolve_dtype)
-                            row[f"{role}_launches"], row[f"{role}_peak_bytes"] = launches, mem
+                        with self.holds.hold():
+                            for role, versions in (("candidate", self.cand), ("stable", self.stable)):
+                                if name not in versions:
+                                    continue
+                                launches, mem = self._capacity(versions[name], dtype, shape, measure_launches,
+                                                               peak_memory_bytes, count_launches, make_generator,
+                                                               resolve_dtype)
+                                row[f"{role}_launches"], row[f"{role}_peak_bytes"] = launches, mem
                     except DomainError as exc:  # the shape, not the kernel: an op-specific constraint
                         self.notes.append(f"{name}: capacity shape {shape} skipped: {exc}")
                         continue

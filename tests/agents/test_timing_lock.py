@@ -3,7 +3,8 @@
 A second process holds the lock (real ``flock``) until the test releases it: a waiter times out after its
 timeout and says so, another device's key is free meanwhile, and once released the lock is taken. Checks share
 the device with checks but never with a timed phase, and a timer waiting for running checks keeps new checks
-out (the turnstile). A real trial child whose device lock is held by this test process checks and times anyway
+out (the turnstile); a trial's checks hold the device per unit of work, so a timer gets it between two units,
+and their waits share one budget. A real trial child whose device lock is held by this test process checks and times anyway
 after its timeouts and records the waits in its phase timings and notes.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agents.inventory import collect_inventory
-from agents.timing_lock import ENV_DIR, device_key, gpu_share, timing_lock
+from agents.timing_lock import ENV_DIR, CheckHolds, device_key, gpu_share, timing_lock
 from agents.trial import TrialConfig, TrialRunner
 from agents.trial_protocol import TrafficProfile
 from kernelctl.wire import BundleRef, TrialSpec
@@ -118,6 +119,45 @@ def test_checks_share_the_device_but_never_with_a_timed_phase(tmp_path: Path) ->
         for p in procs:
             p.wait(timeout=60)
     assert [p.returncode for p in procs] == [0, 0]
+
+
+def test_a_timer_gets_the_device_between_two_units_of_checks(tmp_path: Path) -> None:
+    holds = CheckHolds("gpu-A", 60.0, tmp_path)
+    timer = None
+    try:
+        with holds.hold():  # the first unit of this trial's checks
+            timer = hold(tmp_path, "gpu-A", "timed", "1")  # another trial's timer waits for it
+            gate_taken(tmp_path / "gpu-A.gate")
+            assert not (tmp_path / "held1").exists()
+        wait_for(tmp_path / "held1")  # the unit ended: the timer has the device, not after all of the checks
+        t0 = time.monotonic()
+        (tmp_path / "release1").write_text("1")  # (it times, then lets go)
+        with holds.hold():  # the next unit waits for it
+            pass
+        assert holds.units == 2 and holds.missed == 0 and holds.summary().held
+        assert holds.waited_s <= time.monotonic() - t0 + 1.0
+    finally:
+        (tmp_path / "release1").write_text("1")
+        if timer is not None:
+            timer.wait(timeout=60)
+    assert timer.returncode == 0
+
+
+def test_the_checks_waits_share_one_budget(tmp_path: Path) -> None:
+    timer = hold(tmp_path, "gpu-A", "timed", "1")  # a wedged neighbour holding the device
+    try:
+        wait_for(tmp_path / "held1")
+        holds = CheckHolds("gpu-A", 0.4, tmp_path)
+        t0 = time.monotonic()
+        for _ in range(5):
+            with holds.hold():
+                pass
+        assert time.monotonic() - t0 < 1.5  # the first unit waited the budget, the others not again
+        assert holds.units == 5 and holds.missed == 5 and 0.4 <= holds.waited_s < 1.0
+        assert not holds.summary().held
+    finally:
+        (tmp_path / "release1").write_text("1")
+        timer.wait(timeout=60)
 
 
 def test_a_trial_records_its_wait_for_the_lock(bundles: BuiltBundles, sm90_overrides: Path, tmp_path: Path,
