@@ -23,9 +23,9 @@ Choices, argued (and measured with ``kernelctl sim judge``, docs/benchmarks.md, 
 * **The pass side's near bound follows the noise.** Its distance D_t from the margin at sample t is
   ``PASS_SDS`` predictable long-run standard deviations (variance times the dependence factor kappa below) of
   the samples before t (winsorised to the far bound only; the prior, weight ``PRIOR_N``, says D), kept within
-  [``PASS_MIN_SHARE`` D, D]. A steady candidate (per-report sd
-  0.3%, as a GPU's paired cells are) then stakes up to ``c / D_t`` with D_t near 1.5% instead of 3% and passes in
-  about 11 reports instead of 16; a noisy one keeps D (its clipped mean is never lowered more than with a
+  [``PASS_MIN_SHARE`` D, D]. A steady candidate (per-report sd 0.3%, as a GPU's paired cells are) then stakes
+  up to ``c / D_t`` with D_t falling towards 1-1.5% instead of 3%, and 1 point inside the margin passes in
+  about 11 reports instead of 15 (docs/judge.md, "The statistics"); a noisy one keeps D (its clipped mean is never lowered more than with a
   fixed D), so no candidate passes more easily for being noisier. D_t is a function of the samples before t,
   so every factor is still at least ``1 - c`` and the wealth a supermartingale under H0 (of the winsorised
   mean, as before).

@@ -5,8 +5,9 @@ each live stratum every few seconds while its series only grows. Every quantity 
 sample is a *prefix* quantity, so :class:`LatencyState` keeps it and continues it with the new samples only:
 
 * the online per-node balance and each used sample's previous same-node sample (:class:`NodeState`);
-* per one-sided test and restart (:class:`RunningSide`): the sums over the samples so far that the running
-  moments and the dependence factor are made of (:func:`~controller.judge.confseq.moments`,
+* per one-sided test and restart (:class:`RunningSide`, :class:`CarriedMoments`): the sums over the samples so
+  far that the running moments and the dependence factor are made of (the pass side's also over the samples
+  winsorised to the far bound only, which set its near bound, :func:`~controller.judge.confseq.pass_resolution`) (:func:`~controller.judge.confseq.moments`,
   :func:`~controller.judge.confseq.dependence`), the recent-mean filter's state, the log-wealth and (regress)
   its running maximum. The regress side's restarted tests (one every ``RESTART_EVERY`` samples) are rows of
   one array, so appending k samples to a series with J restarts costs one vectorised pass over J x k values
