@@ -25,14 +25,15 @@ import hashlib
 import logging
 import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
-from controller.changelog import record_event
+from controller.changelog import event_row, record_event
 from controller.compat import (
     NodeInfo,
     bundle_targets,
@@ -41,7 +42,17 @@ from controller.compat import (
     node_rejection,
     node_stratum,
 )
-from controller.db.models import Activation, Assignment, Bundle, Node, Rollout, RolloutStratum, StableVersion
+from controller.db.models import (
+    Activation,
+    Assignment,
+    Bundle,
+    Event,
+    Node,
+    Rollout,
+    RolloutStratum,
+    StableVersion,
+    utcnow,
+)
 from controller.desired.effects import UNVERIFIED_SERVE, AssignmentView, RowFacts, heartbeat_effects
 from controller.desired.generation import PatchRow, changed
 from controller.plan import PlanSpec, load_plan
@@ -376,30 +387,55 @@ def mark_verified(session: Session, node: Node, rollout_ids: set[int], now: dt.d
     from ``node``. A stratum with a hard failure (``first_failure_at`` set, by any node) is never verified:
     it is being rolled back. Returns the rollouts whose canary on this node was verified.
     """
-    if not rollout_ids:
-        return []
-    stratum = node_stratum(node)
+    return mark_verified_many(session, [(node, rollout_ids)], now).get(node.id, [])
+
+
+def mark_verified_many(session: Session, wanted: Sequence[tuple[Node, set[int]]], now: dt.datetime
+                       ) -> dict[int, list[int]]:
+    """:func:`mark_verified` for many nodes at once (report intake's group commit): one read of the canaries
+    to verify, one UPDATE of their rows (executemany, in (node id, bundle) order: the order every writer of many
+    nodes' assignments locks them in, ``controller.desired.liveness``), one INSERT of their events. Returns node
+    id -> the rollouts whose canary on that node was verified."""
+    rids_of = {node.id: set(rids) for node, rids in wanted if rids}
+    if not rids_of:
+        return {}
+    nodes = {node.id: node for node, _rids in wanted}
+    stratum_of = {nid: node_stratum(nodes[nid]) for nid in rids_of}
     rows = session.execute(
-        select(Assignment, Bundle.name, Bundle.version)
+        select(Assignment, RolloutStratum.stratum, Bundle.name, Bundle.version)
         .join(Bundle, Bundle.id == Assignment.desired_bundle_id)
         .join(RolloutStratum, and_(RolloutStratum.rollout_id == Assignment.rollout_id,
-                                   RolloutStratum.stratum == stratum))
-        .where(Assignment.node_id == node.id, Assignment.rollout_id.in_(sorted(rollout_ids)),
+                                   RolloutStratum.stratum.in_(sorted(set(stratum_of.values())))))
+        .where(Assignment.node_id.in_(sorted(rids_of)),
+               Assignment.rollout_id.in_(sorted(set().union(*rids_of.values()))),
                or_(Assignment.phase == "staged", Assignment.phase.is_(None)), RolloutStratum.first_failure_at.is_(None),
                RolloutStratum.state.in_(("progressing", "paused")))
+        .order_by(Assignment.node_id, Assignment.bundle_name)
     ).all()
-    done: list[int] = []
-    patch: dict[str, PatchRow] = {}
-    for a, name, version in rows:
-        a.phase, a.phase_at, a.updated_at = "verified", now, now
-        done.append(int(a.rollout_id))  # type: ignore[arg-type]
-        patch[a.bundle_name] = PatchRow(AssignmentView(a.bundle_name, a.desired_bundle_id, a.stable_bundle_id,
-                                                       a.rollout_id, "verified"))
-        record_event(session, actor=f"node:{node.name}", action="assignment.verified", subject=f"node:{node.name}",
-                     bundle=f"{name}@{version}", node=node.name, rollout_id=a.rollout_id,
-                     reason="pre-serve trial passed the hard gates on this node: it may serve the candidate")
-    if patch:
-        changed(session, rows={node.id: patch})
+    done: dict[int, list[int]] = {}
+    updates: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    patch: dict[int, dict[str, PatchRow]] = {}
+    for a, stratum, name, version in rows:
+        nid = a.node_id
+        if stratum != stratum_of[nid] or a.rollout_id not in rids_of[nid]:
+            continue  # another node's stratum, or a rollout this node's reports did not verify
+        for key, value in (("phase", "verified"), ("phase_at", now), ("updated_at", now)):
+            set_committed_value(a, key, value)  # the session's object as the UPDATE below leaves the row
+        updates.append({"a_id": a.id, "phase": "verified", "phase_at": now, "updated_at": now})
+        done.setdefault(nid, []).append(int(a.rollout_id))  # type: ignore[arg-type]
+        patch.setdefault(nid, {})[a.bundle_name] = PatchRow(AssignmentView(
+            a.bundle_name, a.desired_bundle_id, a.stable_bundle_id, a.rollout_id, "verified"))
+        node = nodes[nid].name
+        events.append(event_row(at=utcnow(), actor=f"node:{node}", action="assignment.verified",
+                                subject=f"node:{node}", bundle=f"{name}@{version}", node=node, rollout_id=a.rollout_id,
+                                reason="pre-serve trial passed the hard gates on this node: it may serve the candidate"))
+    if updates:
+        conn = session.connection()
+        conn.execute(update(Assignment).where(Assignment.id == bindparam("a_id")).values(
+            phase=bindparam("phase"), phase_at=bindparam("phase_at"), updated_at=bindparam("updated_at")), updates)
+        conn.execute(insert(Event), events)
+        changed(session, rows=patch)
     return done
 
 

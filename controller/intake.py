@@ -7,11 +7,13 @@ process turns into metrics and the reply.
 
 Where it runs (``controller.desired.writers.Writers.ingest``, admitted first): in the API process's report
 threads (``ingest_processes = 0``): :func:`parse` there, then :func:`store_many` **group-commits** the parsed
-batches of every request waiting (one transaction and one WAL flush for all of them, each in its own savepoint;
-a transaction per report request made the commit's flush, 40+ ms on a busy machine, the ceiling: two threads,
-about 60 real-sized reports/s); or in a pool of worker processes (``ingest_processes = N``): there the
-parsing, the validation of 6-46 KB bodies and the ORM work run past the API process's GIL, which then serves
-heartbeats, watches and downloads only. A worker process has its own engine (two connections) and generation
+batches of every request waiting (one transaction and one WAL flush for all of them, and the statements of one:
+the nodes in one read, ``controller.ingest.ingest_many`` set-based, each batch still answered on its own; a
+transaction per report request made the commit's flush, 40+ ms on a busy machine, the ceiling: two threads,
+about 60 real-sized reports/s; a savepoint and 3-5 statements per request cost 7 ms a request here); or in
+a pool of worker processes (``ingest_processes = N``): there the parsing, the validation of 6-46 KB bodies and
+the ORM work run past the API process's GIL, which then serves heartbeats, watches and downloads only (each
+request its own transaction: :func:`take`, :func:`store_many` of one batch). A worker process has its own engine (two connections) and generation
 hooks; the patches its commits declare (a canary verified by its report) travel back in the outcome and are
 applied by the API process's store as its own commits' are, so the node's watch answers at once (the NOTIFY
 wakes every other replica as before). A body that fails validation comes back as ``invalid``: the API process
@@ -26,7 +28,6 @@ from dataclasses import dataclass, field
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
@@ -35,9 +36,9 @@ from controller import ingest, registry
 from controller.api.body import parse_body, too_many
 from controller.auth import Principal, require_node
 from controller.db.engine import DatabaseError, retry_lock_cycles, session_scope
-from controller.db.models import Node, utcnow
+from controller.db.models import utcnow
 from controller.desired.generation import Patch
-from controller.errors import Invalid, KernelctlError, first_line
+from controller.errors import Invalid, first_line
 from kernelctl import wire
 
 
@@ -74,13 +75,16 @@ def take(factory: sessionmaker[Session], body: bytes, json_type: bool, principal
     if isinstance(batch, Outcome):
         return batch
     try:
-        accepted, duplicates, refused = _store(factory, batch)
+        (out,) = store_many(factory, [batch])
     except Exception as exc:  # raised where the answer is made, after counting the batch as rejected
         return Outcome(reports=len(batch.reports), error=exc)
-    return _answer(batch, accepted, duplicates, refused)
+    return out
 
 
-def _answer(batch: wire.ReportBatch, accepted: int, duplicates: int, refused: dict[str, tuple[str, str]]) -> Outcome:
+def _answer(batch: wire.ReportBatch, stored: ingest.Result | Invalid) -> Outcome:
+    if isinstance(stored, Invalid):  # this batch's own refusal: nothing of it was stored
+        return Outcome(reports=len(batch.reports), error=stored)
+    accepted, duplicates, refused = stored
     if not refused:  # the common case keeps the historical shape {"accepted", "duplicates"}
         reply = wire.ReportBatchResponse(accepted=accepted, duplicates=duplicates)
     else:
@@ -92,46 +96,29 @@ def _answer(batch: wire.ReportBatch, accepted: int, duplicates: int, refused: di
 @retry_lock_cycles
 @retry(retry=retry_if_exception_type(IntegrityError), stop=stop_after_attempt(3), wait=wait_random(0, 0.05),
        reraise=True)
-def _store(factory: sessionmaker[Session], batch: wire.ReportBatch
-           ) -> tuple[int, int, dict[str, tuple[str, str]]]:
-    # A concurrent replay of the same batch loses the unique-key race: retrying sees the keys as duplicates.
-    # A canary verified here (trial before serve) is declared by mark_verified: the node's watch answers at once.
-    with session_scope(factory) as session:
-        node = registry.get_node(session, batch.node_name)
-        return ingest.ingest_batch(session, node, batch, utcnow())
-
-
-@retry_lock_cycles
 def store_many(factory: sessionmaker[Session], batches: list[wire.ReportBatch]) -> list[Outcome]:
-    """Many requests' batches in **one** transaction (``controller.group_commit``: one commit, one WAL flush, for
-    every request that arrived while the previous one was written), each in a savepoint of its own: a batch the
-    controller refuses (``Invalid``, unknown node) is answered with its error and stores nothing, the others
-    commit. A transaction the database aborted to break a lock cycle is run again; another database failure
-    raises (the group commit then writes each batch alone)."""
+    """Many requests' batches in **one** transaction with the statements of one (``controller.group_commit``: one
+    commit, one WAL flush, for every request that arrived while the previous one was written; the nodes read in
+    one statement, then ``controller.ingest.ingest_many``: set-based). Each batch is answered on its own: one
+    the controller refuses (unknown node, ``Invalid``) stores nothing and gets its error, the others commit. A
+    transaction the database aborted to break a lock cycle is run again, one that lost a unique-key race with a
+    concurrent replay too (its keys are then duplicates); another database failure raises (the group commit
+    then writes each batch alone). Canaries verified here are declared (``mark_verified_many``): the nodes'
+    watches answer at once; their rows are updated in node id order, the order of every writer of many nodes'
+    rows (``controller.desired.liveness``)."""
+    now = utcnow()
     out: list[Outcome | None] = [None] * len(batches)
     with session_scope(factory) as session:
-        # the batches written in node id order: verifying a canary updates its assignment row, and every writer of
-        # many nodes' rows takes them in that order (controller.desired.liveness), so no lock cycle with a switch
-        # batch or the liveness flush (written in arrival order, they deadlocked in a 10,000-node run)
-        names = {b.node_name for b in batches}
-        ids = dict(session.execute(select(Node.name, Node.id).where(Node.name.in_(names))).all())
-        for i in sorted(range(len(batches)), key=lambda i: (ids.get(batches[i].node_name, 0), i)):
-            batch = batches[i]
-            for attempt in range(3):
-                try:
-                    with session.begin_nested():
-                        node = registry.get_node(session, batch.node_name)
-                        accepted, duplicates, refused = ingest.ingest_batch(session, node, batch, utcnow())
-                    out[i] = _answer(batch, accepted, duplicates, refused)
-                    break
-                except IntegrityError:  # a concurrent replay won the unique-key race: again, its keys are duplicates
-                    if attempt == 2:
-                        raise
-                except KernelctlError as exc:  # this batch's own refusal (unknown node, invalid)
-                    out[i] = Outcome(reports=len(batch.reports), error=exc)
-                    break
+        nodes = registry.get_nodes(session, {b.node_name for b in batches})
+        known = [i for i, b in enumerate(batches) if b.node_name in nodes]
+        stored = ingest.ingest_many(session, [(nodes[batches[i].node_name], batches[i]) for i in known], now)
+    for i, result in zip(known, stored, strict=True):
+        out[i] = _answer(batches[i], result)
+    for i, b in enumerate(batches):
+        if b.node_name not in nodes:
+            out[i] = Outcome(reports=len(b.reports), error=registry.not_registered(b.node_name))
     done = [o for o in out if o is not None]
-    assert len(done) == len(batches)  # each batch answered or raised
+    assert len(done) == len(batches)  # each batch answered
     return done
 
 

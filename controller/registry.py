@@ -85,8 +85,18 @@ def upload_limits(*, max_bundle_bytes: int, max_uncompressed_bytes: int, max_fil
 def get_node(session: Session, node_name: str) -> Node:
     node = session.scalar(select(Node).where(Node.name == node_name))
     if node is None:
-        raise NotFound(f"node {node_name} is not registered (the agent must register first)")
+        raise not_registered(node_name)
     return node
+
+
+def get_nodes(session: Session, names: set[str]) -> dict[str, Node]:
+    """The registered nodes among ``names``, by name, in one statement (absent: :func:`not_registered`)."""
+    return {n.name: n for n in session.scalars(select(Node).where(Node.name.in_(sorted(names))))} if names else {}
+
+
+def not_registered(node_name: str) -> NotFound:
+    """What a request from a node that is not registered is refused with."""
+    return NotFound(f"node {node_name} is not registered (the agent must register first)")
 
 
 def heartbeat(session: Session, req: wire.HeartbeatRequest, now: dt.datetime,

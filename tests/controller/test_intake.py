@@ -74,8 +74,8 @@ def test_reports_through_threads_and_a_worker_process(kit: Kit, db_url: str, pro
 
 
 def test_concurrent_requests_share_one_commit_and_a_refused_one_stores_nothing(kit: Kit) -> None:
-    """Threads mode: requests waiting together are stored in one transaction (the group commit), each in its own
-    savepoint: the one naming an unknown rollout is answered 422-style with nothing stored, the others commit."""
+    """Threads mode: requests waiting together are stored in one transaction (the group commit), each answered on
+    its own: the one naming an unknown rollout is answered 422-style with nothing stored, the others commit."""
     rid, stable, cand = _stable_and_candidate(kit, nodes=1)
     with kit.tx() as s:
         n = kit.node(s, "gpu-000")
@@ -117,7 +117,7 @@ def test_a_batch_the_database_aborted_to_break_a_lock_cycle_is_written_again(kit
         n = kit.node(s, "gpu-000")
         reports = [kit.report(n, rid, cand, stable, key=f"cycle-{i:04d}") for i in range(4)]
     me = Principal(1, "node:gpu-000", "agent", "gpu-000")
-    real, aborted = ingest.ingest_batch, []
+    real, aborted = ingest.ingest_many, []
 
     def once_aborted(*args, **kwargs):  # type: ignore[no-untyped-def]
         if not aborted:
@@ -125,7 +125,7 @@ def test_a_batch_the_database_aborted_to_break_a_lock_cycle_is_written_again(kit
             raise OperationalError("UPDATE assignments ...", {}, psycopg.errors.DeadlockDetected("deadlock detected"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ingest, "ingest_batch", once_aborted)
+    monkeypatch.setattr(ingest, "ingest_many", once_aborted)
 
     async def scenario() -> list:
         writers = Writers(kit.factory)
