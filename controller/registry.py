@@ -10,7 +10,7 @@ import datetime as dt
 import json
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -89,9 +89,12 @@ def get_node(session: Session, node_name: str) -> Node:
     return node
 
 
+NODES_NAMED = select(Node).where(Node.name.in_(bindparam("names", expanding=True)))  # built once (report intake)
+
+
 def get_nodes(session: Session, names: set[str]) -> dict[str, Node]:
     """The registered nodes among ``names``, by name, in one statement (absent: :func:`not_registered`)."""
-    return {n.name: n for n in session.scalars(select(Node).where(Node.name.in_(sorted(names))))} if names else {}
+    return {n.name: n for n in session.scalars(NODES_NAMED, {"names": sorted(names)})} if names else {}
 
 
 def not_registered(node_name: str) -> NotFound:
