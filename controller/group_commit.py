@@ -7,7 +7,7 @@ statements: ``controller.enrollment``, ``controller.switches``). ``write`` retur
 exception instance for an item refused on its own (the others still commit). When ``write`` raises for a
 batch (nothing was committed) because the database refused something in it, each item is written again on its
 own, so a row the database refuses fails only its own request; a database that is down (``OperationalError``)
-fails the batch alike. More than ``max_queued`` items waiting raise
+fails the batch alike (:func:`write_isolated`). More than ``max_queued`` items waiting raise
 :class:`~controller.errors.Overloaded` (503 + Retry-After) at once instead of queueing without bound.
 
 Deadline (``deadline_seconds``): an item still queued that long is answered ``Overloaded`` instead of written,
@@ -19,7 +19,9 @@ for 6,988 nodes in 418 s, docs/benchmarks.md). Shedding by age keeps the queue a
 serve within the deadline, and the clients back off on the Retry-After.
 
 Batches run on ``executor`` (the replica's control-plane threads: ``controller.desired.lanes``), never behind
-the report ingest's work.
+the report ingest's work. One batch is written at a time unless ``concurrency`` says more: up to that many
+run at once, each taking everything queued when a writer came free (the report worker processes: one batch
+per process, ``controller.intake``); a quiet queue then still writes each item at once.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ Item = TypeVar("Item")
 
 
 class GroupCommit(Generic[Item]):
-    """One queue and one writer task (see the module docstring); start it inside the running event loop."""
+    """One queue and its writer task (see the module docstring); start it inside the running event loop."""
 
     def __init__(self, name: str, write: Callable[[list[Item]], Sequence[Any]], *, max_batch: int = 500,
                  max_queued: int = 5000, deadline_seconds: float | None = None, metrics: Any = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, concurrency: int = 1) -> None:
         self.name = name
+        self.concurrency = concurrency  # batches written at once (each takes what queued while the others ran)
         self.executor = executor  # None: the event loop's default executor
         self.write = write
         self.max_batch = max_batch
@@ -109,40 +112,60 @@ class GroupCommit(Generic[Item]):
         return live
 
     def _write_isolated(self, items: list[Item]) -> Sequence[Any]:
-        """(worker thread) ``write(items)``; when the database refuses the batch, each item on its own."""
-        try:
-            return self.write(items)
-        except OperationalError as exc:  # the database is unavailable: every request fails alike
-            return [exc] * len(items)
-        except Exception as exc:
-            if len(items) == 1:
-                return [exc]
-        out: list[Any] = []
-        for item in items:
-            try:
-                out.extend(self.write([item]))
-            except Exception as exc:  # this item's own refusal
-                out.append(exc)
-        return out
+        """(worker thread) :func:`write_isolated` of ``write``."""
+        return write_isolated(self.write, items)
 
     async def _run(self) -> None:
+        running: set[asyncio.Task[None]] = set()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            while self._queue and len(running) < self.concurrency:
                 live = self._take()
                 if not live:
                     continue
-                started = time.perf_counter()
-                results = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self._write_isolated, [item for item, _ in live])
-                if self.metrics is not None:
-                    self.metrics.group_commit.labels(self.name).observe(time.perf_counter() - started)
-                    self.metrics.group_commit_items.labels(self.name).observe(len(live))
-                for (_item, fut), result in zip(live, results, strict=True):
-                    if fut.done():
-                        continue
-                    if isinstance(result, BaseException):
-                        fut.set_exception(result)
-                    else:
-                        fut.set_result(result)
+                task = asyncio.create_task(self._write_batch(live))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), self._wake.set()))
+
+    async def _write_batch(self, live: list[tuple[Item, asyncio.Future[Any]]]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._write_isolated, [item for item, _ in live])
+        except asyncio.CancelledError:  # stopping: the requests still waiting are told to retry
+            for _item, fut in live:
+                if not fut.done():
+                    fut.set_exception(Overloaded("controller stopping; retry", retry_after=1.0))
+            raise
+        except Exception as exc:  # the executor refused it (shut down): each request fails, the writer goes on
+            results = [exc] * len(live)
+        if self.metrics is not None:
+            self.metrics.group_commit.labels(self.name).observe(time.perf_counter() - started)
+            self.metrics.group_commit_items.labels(self.name).observe(len(live))
+        for (_item, fut), result in zip(live, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+
+def write_isolated(write: Callable[[list[Item]], Sequence[Any]], items: list[Item]) -> Sequence[Any]:
+    """``write(items)``; when the database refuses the batch, each item on its own (see the module docstring):
+    one result per item, an exception instance for an item refused."""
+    try:
+        return write(items)
+    except OperationalError as exc:  # the database is unavailable: every request fails alike
+        return [exc] * len(items)
+    except Exception as exc:
+        if len(items) == 1:
+            return [exc]
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.extend(write([item]))
+        except Exception as exc:  # this item's own refusal
+            out.append(exc)
+    return out

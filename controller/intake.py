@@ -1,27 +1,32 @@
-"""Report intake: a ``POST /v1/agents/reports`` body to stored reports, in a worker thread or a worker process.
+"""Report intake: ``POST /v1/agents/reports`` bodies to stored reports, group-committed, in the API process or
+in worker processes.
 
-:func:`take` is the one path: parse and validate the body (``controller.api.body.parse_body``), check that the
-caller's token may report for the batch's node, store it in one transaction (``controller.ingest``), retried
-when a concurrent replay of the same keys wins the unique-key race. It returns an :class:`Outcome` that the API
-process turns into metrics and the reply.
+One request is parsed and validated (:func:`parse`: ``controller.api.body.parse_body``, the caller's token
+checked against the batch's node); the batches of every request waiting together are stored in **one**
+transaction with the statements of one (:func:`store_many`: the nodes in one read, ``controller.ingest.ingest_many``
+set-based, each batch still answered on its own; retried when the database aborted it to break a lock cycle or
+a concurrent replay of the same keys won the unique-key race; when it raises, each batch alone). Each request
+gets an :class:`Outcome` that the API process turns into metrics and the reply. A transaction per report
+request made the commit's flush, 40+ ms on a busy machine, the ceiling (two threads, about 60 real-sized
+reports/s); a savepoint and 3-5 statements per request cost 7 ms a request here.
 
 Where it runs (``controller.desired.writers.Writers.ingest``, admitted first): in the API process's report
-threads (``ingest_processes = 0``): :func:`parse` there, then :func:`store_many` **group-commits** the parsed
-batches of every request waiting (one transaction and one WAL flush for all of them, and the statements of one:
-the nodes in one read, ``controller.ingest.ingest_many`` set-based, each batch still answered on its own; a
-transaction per report request made the commit's flush, 40+ ms on a busy machine, the ceiling: two threads,
-about 60 real-sized reports/s; a savepoint and 3-5 statements per request cost 7 ms a request here); or in
-a pool of worker processes (``ingest_processes = N``): there the parsing, the validation of 6-46 KB bodies and
-the ORM work run past the API process's GIL, which then serves heartbeats, watches and downloads only (each
-request its own transaction: :func:`take`, :func:`store_many` of one batch). A worker process has its own engine (two connections) and generation
-hooks; the patches its commits declare (a canary verified by its report) travel back in the outcome and are
-applied by the API process's store as its own commits' are, so the node's watch answers at once (the NOTIFY
-wakes every other replica as before). A body that fails validation comes back as ``invalid``: the API process
-parses it again to raise FastAPI's exact answer (bad bodies are rare and small next to the limit).
+threads (``ingest_processes = 0``): :func:`parse` there, then the report group commit (one thread) runs
+:func:`store_many`; or in a pool of worker processes (``ingest_processes = N``): the group commit there sends
+the requests waiting together, as received, to one worker process, up to N groups at once (one per process),
+and the worker runs :func:`take_many` (:func:`parse` each, :func:`store_many` them all): the parsing, the
+validation of 6-46 KB bodies and the ORM work run past the API process's GIL, which then serves heartbeats,
+watches and downloads. :func:`take` is :func:`take_many` of one request, a transaction of its own. A worker
+process has its own engine (two connections) and generation hooks; the patches its commits declare (a canary
+verified by a report) travel back with the group's outcomes and are applied by the API process's store as its
+own commits' are before the requests are answered, so the node's watch answers at once (the NOTIFY wakes every
+other replica as before). A body that fails validation comes back as ``invalid``: the API process parses it
+again to raise FastAPI's exact answer (bad bodies are rare and small next to the limit).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +44,7 @@ from controller.db.engine import DatabaseError, retry_lock_cycles, session_scope
 from controller.db.models import utcnow
 from controller.desired.generation import Patch
 from controller.errors import Invalid, first_line
+from controller.group_commit import write_isolated
 from kernelctl import wire
 
 
@@ -51,7 +57,6 @@ class Outcome:
     reports: int = 0
     error: Exception | None = None  # storing the batch failed: nothing of it was stored
     refused_reasons: list[str] = field(default_factory=list)
-    patches: list[tuple[int, Patch]] = field(default_factory=list)  # from a worker process's commits
 
 
 def parse(body: bytes, json_type: bool, principal: Principal, max_report_batch: int) -> wire.ReportBatch | Outcome:
@@ -69,16 +74,43 @@ def parse(body: bytes, json_type: bool, principal: Principal, max_report_batch: 
 
 def take(factory: sessionmaker[Session], body: bytes, json_type: bool, principal: Principal,
          max_report_batch: int) -> Outcome:
-    """The report request ``body`` from ``principal``, stored in a transaction of its own (see the module
-    docstring; the API process's threads group-commit instead: :func:`parse` then :func:`store_many`)."""
-    batch = parse(body, json_type, principal, max_report_batch)
-    if isinstance(batch, Outcome):
-        return batch
-    try:
-        (out,) = store_many(factory, [batch])
-    except Exception as exc:  # raised where the answer is made, after counting the batch as rejected
-        return Outcome(reports=len(batch.reports), error=exc)
+    """The report request ``body`` from ``principal``, stored in a transaction of its own: :func:`take_many` of
+    one request (raises what it refuses the request with)."""
+    (out,) = take_many(factory, [(body, json_type, principal)], max_report_batch)
+    if isinstance(out, Exception):
+        raise out
     return out
+
+
+Request = tuple[bytes, bool, Principal]  # a report request's body, whether it is JSON, its caller
+
+
+def take_many(factory: sessionmaker[Session], requests: list[Request],
+              max_report_batch: int) -> list[Outcome | Exception]:
+    """Many report requests: each parsed (:func:`parse`), then every parsed batch stored in **one** transaction
+    (:func:`store_many`; when that raises, each batch alone: ``controller.group_commit.write_isolated``). One
+    answer per request: its :class:`Outcome` (``invalid``; a storing failure in ``error``), or the exception
+    :func:`parse` refused it with (another node's token, too many reports), for the caller to raise."""
+    out: list[Outcome | Exception | None] = [None] * len(requests)
+    parsed: list[tuple[int, wire.ReportBatch]] = []
+    for i, (body, json_type, principal) in enumerate(requests):
+        try:
+            batch = parse(body, json_type, principal, max_report_batch)
+        except Exception as exc:  # this request's own refusal
+            out[i] = exc
+            continue
+        if isinstance(batch, Outcome):
+            out[i] = batch
+        else:
+            parsed.append((i, batch))
+    if parsed:
+        stored = write_isolated(functools.partial(store_many, factory), [b for _i, b in parsed])
+        for (i, batch), result in zip(parsed, stored, strict=True):
+            # a failure is raised where the answer is made, after counting the batch as rejected
+            out[i] = Outcome(reports=len(batch.reports), error=result) if isinstance(result, Exception) else result
+    done = [o for o in out if o is not None]
+    assert len(done) == len(requests)  # each request answered
+    return done
 
 
 def _answer(batch: wire.ReportBatch, stored: ingest.Result | Invalid) -> Outcome:
@@ -136,16 +168,19 @@ def _init_worker(database_url: str, max_report_batch: int) -> None:
     _worker.update(factory=factory, max_report_batch=max_report_batch, patches=patches)
 
 
-def take_in_worker(body: bytes, json_type: bool, principal: Principal) -> Outcome:
-    """(worker process) :func:`take` on the worker's engine; a database failure comes back as a
-    ``DatabaseError`` (503), picklable, with its first line."""
+def take_many_in_worker(requests: list[Request]) -> tuple[list[Outcome | Exception], list[tuple[int, Patch]]]:
+    """(worker process) :func:`take_many` on the worker's engine, and the patches its commits declared (for the
+    API process's store); a database failure comes back as a ``DatabaseError`` (503), picklable, with its first
+    line."""
     patches: list[tuple[int, Patch]] = _worker["patches"]  # type: ignore[assignment]
     patches.clear()
-    out = take(_worker["factory"], body, json_type, principal, _worker["max_report_batch"])  # type: ignore[arg-type]
-    if isinstance(out.error, SQLAlchemyError):  # its driver state does not travel between processes
-        out.error = DatabaseError(f"database unavailable: {first_line(out.error)}")
-    out.patches = list(patches)
-    return out
+    outs = take_many(_worker["factory"], requests, _worker["max_report_batch"])  # type: ignore[arg-type]
+    for i, out in enumerate(outs):  # its driver state does not travel between processes
+        if isinstance(out, SQLAlchemyError):
+            outs[i] = DatabaseError(f"database unavailable: {first_line(out)}")
+        elif isinstance(out, Outcome) and isinstance(out.error, SQLAlchemyError):
+            out.error = DatabaseError(f"database unavailable: {first_line(out.error)}")
+    return outs, list(patches)
 
 
 def _ready() -> bool:

@@ -78,9 +78,10 @@ async def heartbeat(req: wire.HeartbeatRequest, request: Request, principal: Cur
 async def reports(request: Request, principal: CurrentPrincipal, state: State) -> Response:
     """Ingest a batch of trial reports; replayed idempotency keys count once.
 
-    Admitted first (the report lane, ``controller.desired.lanes``: too many waiting is 503 with Retry-After
-    before a byte is parsed), then parsed, validated and stored off the event loop (``controller.intake``: in a
-    worker thread, or a worker process with ``ingest_processes``). The body (``wire.ReportBatch``) is validated
+    Admitted first (the report lane, ``controller.desired.lanes``, or with ``ingest_processes`` the report group
+    commit's queue: too many waiting is 503 with Retry-After before a byte is parsed), then parsed, validated and
+    stored off the event loop (``controller.intake``: in a worker thread and the report group commit, or in a
+    worker process with the requests waiting with it). The body (``wire.ReportBatch``) is validated
     in one pass from its bytes, with FastAPI's 422 answers (``controller.api.body``)."""
     body = await request.body()
     json_type = is_json(request.headers.get("content-type"))

@@ -8,8 +8,9 @@ for a thread (docs/benchmarks.md, issue 28). Two lanes, each its own pool:
 
 * ``control``: group commits (registrations, switches), heartbeats that need the full transaction (admitted
   up to ``max_queued_writes``, like the group commits' queues), snapshot reloads and liveness flushes;
-* ``reports``: report batches (their parse and validation and their transaction), few threads (they are CPU
-  work under one GIL: more threads only take turns), or worker processes (``controller.intake``).
+* ``reports``: report batches' parse and validation (their transaction is the report group commit's), few
+  threads (they are CPU work under one GIL: more threads only take turns); with report worker processes
+  they are parsed there instead (``controller.intake``) and this lane is idle.
 
 A lane's :meth:`Lane.run` (report batches) admits at most ``max_pending`` calls at once (running or waiting for a thread); one more is refused with
 :class:`~controller.errors.Overloaded` (503 and Retry-After; agents back off with jitter and keep what they

@@ -9,8 +9,11 @@ and the one-transaction heartbeat, each bounded (more waiting: 503 with ``Retry-
   ``max_pending_writes`` (at 10,000 nodes with a CPU hog 2,116 heartbeats of nodes marked stale coming back at
   once were answered 503 that way; group-committing them instead serialised them: 3 s per batch of 100, mean
   42 s; docs/benchmarks.md, issue 28);
-* report batches: :meth:`Writers.ingest` (``controller.intake``), on their own lane (``controller.desired.lanes``)
-  of threads or worker processes, at most ``max_pending_writes`` at once.
+* report batches: :meth:`Writers.ingest` (``controller.intake``), group-committed too (``report_commits``, up to
+  ``max_pending_writes`` waiting): parsed on their own lane of threads (``controller.desired.lanes``, at most
+  ``max_pending_writes`` at once) and stored by one commit thread, or with ``ingest_processes = N`` parsed and
+  stored in worker processes, the requests waiting together sent as one group to a worker, N groups at once
+  (a worker that died: the pool recreated, its group answered 503).
 
 Everything but report ingest runs on the control lane's threads.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -61,11 +65,19 @@ class Writers:
         self.control = Lane("writes", CONTROL_THREADS, max_queued_writes, metrics)  # full heartbeats
         self._processes = ingest_processes
         self._database_url = database_url
-        self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics, executor=self._pool())
-        # report batches parsed on the report lane are stored by one group commit (controller.intake.store_many)
-        self.report_commits: GroupCommit[wire.ReportBatch] = GroupCommit(
-            "reports", functools.partial(intake.store_many, factory), max_batch=256, max_queued=max_pending_writes,
-            metrics=metrics, executor=ThreadPoolExecutor(1, thread_name_prefix="kctl-report-commit"))
+        self.reports = Lane("reports", INGEST_THREADS, max_pending_writes, metrics)
+        self.report_commits: GroupCommit[Any]
+        if not ingest_processes:  # parsed on the report lane, stored by one group commit (intake.store_many)
+            self.report_commits = GroupCommit(
+                "reports", functools.partial(intake.store_many, factory), max_batch=256, max_queued=max_pending_writes,
+                metrics=metrics, executor=ThreadPoolExecutor(1, thread_name_prefix="kctl-report-commit"))
+        else:  # a group of requests to each worker process: parsed and stored there (intake.take_many_in_worker)
+            self._workers = self._pool()
+            self._workers_lock = threading.Lock()
+            self.report_commits = GroupCommit(
+                "reports", self._take_in_workers, max_batch=256, max_queued=max_pending_writes, metrics=metrics,
+                executor=ThreadPoolExecutor(ingest_processes, thread_name_prefix="kctl-report-commit"),
+                concurrency=ingest_processes)
         self.registrations: GroupCommit[Registration] = GroupCommit(
             "registrations", self._write_registrations, max_queued=max_queued_writes,
             deadline_seconds=queue_deadline_seconds, metrics=metrics, executor=self.control.executor)
@@ -83,7 +95,10 @@ class Writers:
         await self.switches.stop()
         await self.report_commits.stop()
         self.report_commits.executor.shutdown(wait=False)  # type: ignore[union-attr]
-        await asyncio.get_running_loop().run_in_executor(None, self.reports.shutdown, True)  # workers ended
+        self.reports.shutdown()
+        if self._processes:  # the worker processes have ended when this returns
+            await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self._workers.shutdown, wait=True, cancel_futures=True))
 
     def close(self) -> None:
         """After :meth:`stop` and the hub's last flush: the control lane's threads end."""
@@ -107,35 +122,46 @@ class Writers:
         ``max_queued_writes`` already wait."""
         return await self.control.run(fn, *args)
 
-    def _pool(self) -> ProcessPoolExecutor | None:
-        if not self._processes:
-            return None
+    def _pool(self) -> ProcessPoolExecutor:
         pool = intake.worker_pool(self._processes, self._database_url, self.max_report_batch)
         intake.warm(pool, self._processes)
         return pool
 
-    async def ingest(self, body: bytes, json_type: bool, principal: Principal) -> intake.Outcome:
-        """A report request (``controller.intake.take``) on the report lane, refused with 503 + Retry-After when
-        too many already wait: admission comes before the body is parsed."""
-        if not self._processes:  # parsed on the report lane, stored by the group commit
-            batch = await self.reports.run(intake.parse, body, json_type, principal, self.max_report_batch)
-            if isinstance(batch, intake.Outcome):
-                return batch
-            try:
-                return await self.report_commits.submit(batch)
-            except Overloaded:
-                raise
-            except Exception as exc:  # the database failed it: answered where the reply is made, counted rejected
-                return intake.Outcome(reports=len(batch.reports), error=exc)
+    def _take_in_workers(self, requests: list[intake.Request]) -> list[intake.Outcome | Exception]:
+        """(report commit thread) a group of report requests to one worker process (``intake.take_many_in_worker``:
+        parsed and stored there in one transaction); the patches its commits declared are told to this process's
+        store before the requests are answered. A worker that died (killed, out of memory) breaks the pool:
+        it is recreated once and the group answered 503 busy (nothing of it was answered)."""
+        pool = self._workers
         try:
-            out = await self.reports.run(intake.take_in_worker, body, json_type, principal)
-        except BrokenProcessPool:  # a worker died (killed, out of memory): nothing of this request was answered
-            self.reports.executor = self._pool() or self.reports.executor
-            raise Overloaded.busy("report worker process restarted; retry later") from None
-        for generation, patch in out.patches:
-            if self.on_commit is not None:
+            outs, patches = pool.submit(intake.take_many_in_worker, requests).result()
+        except BrokenProcessPool:
+            with self._workers_lock:
+                if self._workers is pool:
+                    self._workers = self._pool()
+            return [Overloaded.busy("report worker process restarted; retry later") for _ in requests]
+        if self.on_commit is not None:
+            for generation, patch in patches:
                 self.on_commit(generation, patch)
-        return out
+        return outs
+
+    async def ingest(self, body: bytes, json_type: bool, principal: Principal) -> intake.Outcome:
+        """A report request (``controller.intake``), refused with 503 + Retry-After when too many already wait:
+        admission comes before the body is parsed. Without worker processes it is parsed on the report lane
+        (at most ``max_pending_writes`` at once), then stored by the group commit (as many more waiting);
+        with them the group commit sends the requests waiting together to a worker process (``max_pending_writes``
+        waiting, a group per worker process at once)."""
+        if self._processes:  # parsed and stored in a worker process, the requests waiting together in one group
+            return await self.report_commits.submit((body, json_type, principal))  # type: ignore[no-any-return]
+        batch = await self.reports.run(intake.parse, body, json_type, principal, self.max_report_batch)
+        if isinstance(batch, intake.Outcome):
+            return batch
+        try:
+            return await self.report_commits.submit(batch)  # type: ignore[no-any-return]
+        except Overloaded:
+            raise
+        except Exception as exc:  # the database failed it: answered where the reply is made, counted rejected
+            return intake.Outcome(reports=len(batch.reports), error=exc)
 
     @retry_lock_cycles
     def heartbeat(self, req: wire.HeartbeatRequest, heartbeat_seconds: float) -> tuple[wire.HeartbeatResponse, int]:

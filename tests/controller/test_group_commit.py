@@ -252,3 +252,48 @@ def test_writes_queued_past_the_deadline_are_refused_not_written() -> None:
         (err,) = out[name]
         assert isinstance(err, Overloaded) and "waited more than 0.2 s" in str(err) and err.retry_after >= 1, err
     assert written == ["first", "later"]  # the abandoned writes were never written
+
+
+def test_a_group_commit_with_concurrency_writes_that_many_batches_at_once() -> None:
+    """``concurrency=2`` (as for two report worker processes): a second batch is written while the first runs,
+    each taking what was queued when a writer came free; what arrives while both run waits and goes as one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from controller.group_commit import GroupCommit
+
+    release = threading.Event()
+    batches: list[list[int]] = []
+
+    def write(items: list[int]) -> list[int]:
+        batches.append(list(items))
+        release.wait(10)
+        return [i * 10 for i in items]
+
+    async def until(n: int) -> None:
+        for _ in range(1000):
+            if len(batches) >= n:
+                return
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> list[int]:
+        executor = ThreadPoolExecutor(2)
+        gc: GroupCommit[int] = GroupCommit("t", write, concurrency=2, executor=executor)
+        gc.start()
+        try:
+            first = asyncio.ensure_future(gc.submit(1))
+            await until(1)
+            second = [asyncio.ensure_future(gc.submit(i)) for i in (2, 3)]
+            await until(2)
+            third = [asyncio.ensure_future(gc.submit(i)) for i in (4, 5)]
+            await asyncio.sleep(0.2)
+            assert batches == [[1], [2, 3]]  # both writers busy: 4 and 5 wait
+            release.set()
+            return list(await asyncio.gather(first, *second, *third))
+        finally:
+            release.set()
+            await gc.stop()
+            executor.shutdown()
+
+    assert asyncio.run(scenario()) == [10, 20, 30, 40, 50]
+    assert batches == [[1], [2, 3], [4, 5]]
