@@ -74,8 +74,10 @@ class Writers:
         else:  # a group of requests to each worker process: parsed and stored there (intake.take_many_in_worker)
             self._workers = self._pool()
             self._workers_lock = threading.Lock()
+            # groups of at most max_pending_writes / N: the N groups in the workers hold no more than the queue may
             self.report_commits = GroupCommit(
-                "reports", self._take_in_workers, max_batch=256, max_queued=max_pending_writes, metrics=metrics,
+                "reports", self._take_in_workers, max_batch=max(1, max_pending_writes // ingest_processes),
+                max_queued=max_pending_writes, metrics=metrics,
                 executor=ThreadPoolExecutor(ingest_processes, thread_name_prefix="kctl-report-commit"),
                 concurrency=ingest_processes)
         self.registrations: GroupCommit[Registration] = GroupCommit(
@@ -150,7 +152,7 @@ class Writers:
         admission comes before the body is parsed. Without worker processes it is parsed on the report lane
         (at most ``max_pending_writes`` at once), then stored by the group commit (as many more waiting);
         with them the group commit sends the requests waiting together to a worker process (``max_pending_writes``
-        waiting, a group per worker process at once)."""
+        waiting, a group of at most ``max_pending_writes / N`` per worker process at once)."""
         if self._processes:  # parsed and stored in a worker process, the requests waiting together in one group
             return await self.report_commits.submit((body, json_type, principal))  # type: ignore[no-any-return]
         batch = await self.reports.run(intake.parse, body, json_type, principal, self.max_report_batch)
