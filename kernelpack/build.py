@@ -225,7 +225,7 @@ def build_bundle(
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             (stage / name).write_bytes(data)
         ops = _import_ops(source, files, stage, tag)
-        plan: list[tuple[str, str, str, int, AotSpec]] = []
+        plan: list[tuple[str, str, str | None, str, int, AotSpec]] = []
         jobs: list[tuple[Job, list[AotSpec]]] = []
         for k in source.kernels:
             op = ops[k.op]
@@ -234,14 +234,17 @@ def build_bundle(
             for arch in k.built_for(source.targets):
                 if only is not None and arch not in only:
                     continue
-                config = {**op.default_config, **k.config_for(arch)}
-                for dtype in op.domain.dtypes:
-                    try:
-                        specs = representative_specs(op.aot(dtype, config))
-                    except Exception as exc:
-                        raise BuildError(f"kernel {k.op} {arch} {dtype}: aot() failed: {exc}") from exc
-                    plan.extend((k.op, arch, dtype, i, s) for i, s in enumerate(specs))
-                    jobs.append((Job(k.op, arch, dtype, config), specs))
+                # the arch's config, then each GPU model's own config of it (sm_90-h200)
+                for device in (None, *k.devices_for(arch)):
+                    config = {**op.default_config, **k.config_for(arch, device)}
+                    for dtype in op.domain.dtypes:
+                        where = f"{arch}-{device}" if device else arch
+                        try:
+                            specs = representative_specs(op.aot(dtype, config))
+                        except Exception as exc:
+                            raise BuildError(f"kernel {k.op} {where} {dtype}: aot() failed: {exc}") from exc
+                        plan.extend((k.op, arch, device, dtype, i, s) for i, s in enumerate(specs))
+                        jobs.append((Job(k.op, arch, dtype, config), specs))
 
         def missing() -> list[Job]:
             return [j for j, specs in jobs if any(cached(s, j.arch, digests[j.op], cache) is None for s in specs)]
@@ -251,15 +254,16 @@ def build_bundle(
                 if todo := missing():
                     log.info("compiling %d (op, arch, dtype) groups ahead of time", len(todo))
                     compile_jobs(stage, todo, digests, cache)
-        for op_name, arch, dtype, i, aspec in plan:
+        for op_name, arch, device, dtype, i, aspec in plan:
             c = cached(aspec, arch, digests[op_name], cache)
+            where = f"{arch}-{device}" if device else arch
             if c is None:
-                raise BuildError(f"compiled artifact for {op_name} {arch} {dtype} #{i} missing from cache {cache}")
-            stem = f"artifacts/{arch}/{op_name}/{dtype}/{i}-{c.kernel}"
+                raise BuildError(f"compiled artifact for {op_name} {where} {dtype} #{i} missing from cache {cache}")
+            stem = f"artifacts/{where}/{op_name}/{dtype}/{i}-{c.kernel}"
             members[f"{stem}.cubin"] = c.cubin
             members[f"{stem}.ptx"] = c.ptx
             members[f"{stem}.json"] = c.meta
-            artifacts.append({"op": op_name, "arch": arch, "dtype": dtype, "kernel": c.kernel,
+            artifacts.append({"op": op_name, "arch": arch, "device": device, "dtype": dtype, "kernel": c.kernel,
                               "cubin": f"{stem}.cubin", "ptx": f"{stem}.ptx", "meta": f"{stem}.json"})
         golden_files, golden = _make_golden(ops)
         members.update(golden_files)

@@ -22,6 +22,7 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -200,6 +201,21 @@ def detect_arch(arch: str | None = None) -> str | None:
     return arch or os.environ.get(ARCH_ENV) or None
 
 
+def detect_device() -> str | None:
+    """The CUDA device's GPU model as launch configs name it (``{arch}-{device}`` keys): the first word of its
+    name with a digit in it, lower-cased, "NVIDIA" dropped ("NVIDIA H100 80GB HBM3" -> ``h100``, "NVIDIA H200" ->
+    ``h200``, "NVIDIA A100-SXM4-80GB" -> ``a100``); None without a CUDA device."""
+    if not torch.cuda.is_available():
+        return None
+    return device_model(torch.cuda.get_device_name())
+
+
+def device_model(name: str) -> str | None:
+    """``detect_device``'s rule on a device name (None when no word of it has a digit)."""
+    m = re.search(r"[a-z]*[0-9]+[a-z]*", name.lower().replace("nvidia", ""))
+    return m.group(0) if m else None
+
+
 def unsupported_reason(manifest: Manifest, arch: str | None) -> str | None:
     """Why this process cannot run the bundle's Triton kernels (None when it can)."""
     interpret = bool(knobs.runtime.interpret)
@@ -329,6 +345,7 @@ def load_bundle(
     modules = import_kernel_package(package, root, kernel_files)
     manifest = bundle.manifest
     resolved_arch = detect_arch(arch)
+    device = detect_device()
     reason = unsupported_reason(manifest, resolved_arch)
     triton_cache = cache_dir / "triton" / bundle.digest
     triton_cache.mkdir(parents=True, exist_ok=True)
@@ -338,7 +355,7 @@ def load_bundle(
         if mod is None:
             raise LoadError(f"kernel module {k.module} for op {k.op} is missing")
         op = op_from_module(mod, k.op, k.entry)
-        config = {**op.default_config, **k.config_for(resolved_arch)}
+        config = {**op.default_config, **k.config_for(resolved_arch, device)}
         why = reason
         if why is None and resolved_arch is not None and resolved_arch not in k.built_for(manifest.targets):
             why = f"op {k.op} is not built for {resolved_arch} (only {', '.join(k.built_for(manifest.targets))})"

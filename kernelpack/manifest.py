@@ -33,6 +33,10 @@ SEMVER_RE = re.compile(
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 OP_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 ARCH_PATTERN = r"^sm_[1-9][0-9]{1,2}a?$"
+# a GPU model within an arch, as kernelpack.loader.detect_device names it ("h100", "h200"): one arch spans
+# parts whose best launch configs differ (an H200 has 1.4x an H100's memory bandwidth, same SMs)
+DEVICE_PATTERN = r"^[a-z0-9]+$"
+ARCH_DEVICE_PATTERN = r"^(sm_[1-9][0-9]{1,2}a?)-([a-z0-9]+)$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 MEMBER_PATTERN = r"^(kernels|artifacts|golden)/[A-Za-z0-9._/-]+$"
 PACKAGE_SOURCE_RE = re.compile(r"^kernelpack\.kernels\.([a-z_][a-z0-9_]*)$")
@@ -160,8 +164,9 @@ class KernelSource(_Strict):
         if "default" not in v:
             raise ValueError("configs must contain a 'default' entry")
         for key in v:
-            if key != "default" and not re.match(ARCH_PATTERN, key):
-                raise ValueError(f"config key {key!r} must be 'default' or an arch like sm_90")
+            if key != "default" and not re.match(ARCH_PATTERN, key) and not re.match(ARCH_DEVICE_PATTERN, key):
+                raise ValueError(f"config key {key!r} must be 'default', an arch like sm_90 or an arch and a "
+                                 "GPU model like sm_90-h200")
         return v
 
     def built_for(self, targets: Targets) -> list[str]:
@@ -183,9 +188,18 @@ class KernelSource(_Strict):
         """The token windows where the kernel wins on ``arch`` (None: no measurement, run it everywhere)."""
         return None if self.wins is None or arch is None else self.wins.get(arch)
 
-    def config_for(self, arch: str | None) -> dict[str, ConfigValue]:
-        """The launch config for ``arch``: the arch entry layered over ``default``."""
-        return {**self.configs["default"], **(self.configs.get(arch, {}) if arch else {})}
+    def config_for(self, arch: str | None, device: str | None = None) -> dict[str, ConfigValue]:
+        """The launch config for ``arch`` on GPU model ``device``: ``default``, then the arch entry, then the
+        ``{arch}-{device}`` entry, each layered over the one before."""
+        if not arch:
+            return dict(self.configs["default"])
+        return {**self.configs["default"], **self.configs.get(arch, {}),
+                **(self.configs.get(f"{arch}-{device}", {}) if device else {})}
+
+    def devices_for(self, arch: str) -> list[str]:
+        """The GPU models of ``arch`` with a config entry of their own."""
+        return sorted(m.group(2) for key in self.configs
+                      if (m := re.match(ARCH_DEVICE_PATTERN, key)) and m.group(1) == arch)
 
 
 class _BundleCommon(_Strict):
@@ -226,8 +240,9 @@ class _BundleCommon(_Strict):
             raise ValueError("a bundle needs at least one kernel")
         for k in self.kernels:  # type: ignore[attr-defined]
             for key in k.configs:
-                if key != "default" and key not in self.targets.archs:
-                    raise ValueError(f"kernel {k.op}: config for {key} which is not a target arch")
+                arch = m.group(1) if (m := re.match(ARCH_DEVICE_PATTERN, key)) else key
+                if key != "default" and arch not in self.targets.archs:
+                    raise ValueError(f"kernel {k.op}: config for {key} whose arch is not a target arch")
             for key in k.wins or {}:
                 if key not in self.targets.archs:
                     raise ValueError(f"kernel {k.op}: wins for {key} which is not a target arch")
@@ -269,6 +284,8 @@ class Artifact(_Strict):
 
     op: str = Field(pattern=OP_PATTERN)
     arch: str = Field(pattern=ARCH_PATTERN)
+    # compiled with the config of this GPU model of the arch (``{arch}-{device}``); unset: the arch's config
+    device: str | None = Field(default=None, pattern=DEVICE_PATTERN, exclude_if=lambda v: v is None)
     dtype: str
     kernel: str
     cubin: str = Field(pattern=MEMBER_PATTERN)

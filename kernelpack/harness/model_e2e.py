@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 def _installed_bundle_ops(src: str) -> dict[str, Any]:
     """The bundle source's ops with its launch configs for this arch, from the installed kernel modules
     (the benchmark measures kernels, not signing: ``kernelctl bundle build`` + the runtime serve the same)."""
-    from kernelpack.loader import detect_arch
+    from kernelpack.loader import detect_arch, detect_device
     from kernelpack.manifest import load_source
     from kernelpack.torch_ops import _installed_ops
 
@@ -398,7 +398,7 @@ def _installed_bundle_ops(src: str) -> dict[str, Any]:
     ops: dict[str, Any] = {}
     for k in source.kernels:
         if k.op in installed and (not k.archs or arch in k.archs):
-            ops[k.op] = (installed[k.op], {**installed[k.op].default_config, **k.config_for(arch)})
+            ops[k.op] = (installed[k.op], {**installed[k.op].default_config, **k.config_for(arch, detect_device())})
     bound = bound_ops(ops, f"{source.name}@{source.version}")
     for k in source.kernels:  # the serving policy: where the bundle says each kernel wins on this arch
         if k.op in bound and (wins := k.wins_for(arch)) is not None:

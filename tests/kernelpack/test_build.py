@@ -223,3 +223,22 @@ def test_the_cpython_ast_depth_error_is_parsed_again(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(ast, "parse", lambda *a, **k: (_ for _ in ()).throw(SystemError("something else")))
     with pytest.raises(SystemError, match="something else"):
         build_mod._check_imports("k.py", b"import math\n")
+
+
+def test_a_gpu_models_config_is_compiled_beside_its_archs(keys: Keys, tmp_path: Path, aot_cache: Path) -> None:
+    """``sm_90-h200`` layers over ``sm_90``: the build compiles both, the model's artifacts named for it; the
+    arch's own artifacts keep their config (and their paths and manifest form, so older bundles rebuild the
+    same)."""
+    src = _edit_tiny(tmp_path, lambda s: s + '"sm_90-h200" = { BLOCK_N = 128 }\n')
+    built = build_bundle(src, tmp_path / "d.kpack", keys.pair.private_path, cache_dir=aot_cache)
+    members = read_archive(built.path.read_bytes())
+    k = built.manifest.kernel("bias_gelu")
+    assert k.config_for("sm_90", "h200") == {"BLOCK_M": 2, "BLOCK_N": 128}
+    assert k.config_for("sm_90", "h100") == k.config_for("sm_90") == {"BLOCK_M": 2, "BLOCK_N": 64}
+    by_device = {a.device: a for a in built.manifest.artifacts if a.dtype == "bf16"}
+    assert set(by_device) == {None, "h200"}
+    assert by_device["h200"].cubin.startswith("artifacts/sm_90-h200/bias_gelu/bf16/")
+    assert json.loads(members[by_device["h200"].meta])["constexprs"] == {"BLOCK_M": 2, "BLOCK_N": 128}
+    assert json.loads(members[by_device[None].meta])["constexprs"] == {"BLOCK_M": 2, "BLOCK_N": 64}
+    assert b'"device"' not in json.dumps([a.model_dump(mode="json") for a in built.manifest.artifacts
+                                          if a.device is None]).encode()

@@ -203,3 +203,23 @@ def test_aot_compiles_for_sm90_without_gpu() -> None:
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(" ok ") == len(MODULES), r.stdout
+
+
+@pytest.mark.parametrize("wide_chunk", [1, 16, 128])
+def test_softmax_rows_wider_than_wide_stream_or_stay_in_registers(wide_chunk: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows wider than WIDE columns go to the streamed kernel when WIDE_CHUNK > 1 (pieces fully live, partly
+    live and past the causal limit, written as zeros unread) and stay register-resident otherwise; both match
+    the float64 reference, and narrower rows are unaffected by WIDE_CHUNK. With 40 rows and pieces of 16 the
+    last pieces of the first rows lie past the causal limit (WIDE lowered to 64 so the interpreter stays quick)."""
+    import kernelpack.kernels.softmax_causal as sm
+
+    monkeypatch.setattr(sm, "WIDE", 64)
+    op = OPS["softmax_causal"]
+    cfg = {"WIDE_CHUNK": wide_chunk, "WIDE_WARPS": 4, "num_warps": 4, "num_stages": 2}
+    for shape in ({"bh": 1, "q": 40, "k": 200}, {"bh": 2, "q": 2, "k": 60}):
+        inputs = op.make_inputs(shape, torch.float32, DEV, torch.Generator().manual_seed(5))
+        outs = poisoned(op, inputs)
+        op.run(inputs, outs, cfg)
+        ok, err = within(outs[0], op.reference(inputs)[0], op.tolerances["fp32"])
+        assert ok, f"{shape} WIDE_CHUNK={wide_chunk}: max abs err {err:.3g}"

@@ -100,6 +100,7 @@ def test_fault_fixtures_are_labelled_and_differ_only_in_add_rmsnorm(fault: str) 
         (lambda d: d["kernels"][0].update(source="os.system"), "must be 'kernelpack.kernels.<module>'"),
         (lambda d: d["kernels"][0].update(configs={"sm_90": {}}), "'default' entry"),
         (lambda d: d["kernels"][0].update(configs={"default": {}, "sm_75": {"num_warps": 4}}), "not a target"),
+        (lambda d: d["kernels"][0].update(configs={"default": {}, "sm_75-t4": {"num_warps": 4}}), "not a target"),
         (lambda d: d["kernels"][0].update(entry="MAIN"), "entry"),
         (lambda d: d["kernels"][0].update(archs=["sm_75"]), "arch sm_75 is not a target arch"),
         (lambda d: d["kernels"][0].update(archs=[]), "non-empty list"),
@@ -180,3 +181,49 @@ def test_1_4_0_is_1_3_0_with_flash_attn_on_the_tma_path_for_sm90() -> None:
                 for k in v.kernels if k.op == "flash_attn")
     assert old["TMA"] == 0 and new["TMA"] == 1
     assert new in flash_attn.TUNING_SPACE
+
+
+def test_a_gpu_models_config_layers_over_its_arch_and_bad_keys_are_refused() -> None:
+    """``{arch}-{model}`` entries (one arch spans GPUs whose best configs differ: H100 and H200 are both sm_90):
+    default, then the arch, then the model; a model without an entry gets the arch's config."""
+    doc = json.loads(json.dumps(BASE))
+    k = doc["kernels"][0]
+    configs = {"default": {"num_warps": 4}, "sm_90": {"BLOCK_N": 64, "num_stages": 2},
+               "sm_90-h200": {"BLOCK_N": 128}, "sm_80-a100": {"num_warps": 8}}
+    src = BundleSource.model_validate({**doc, "kernels": [{**k, "configs": configs}]}).kernels[0]
+    assert src.config_for("sm_90", "h200") == {"num_warps": 4, "BLOCK_N": 128, "num_stages": 2}
+    assert src.config_for("sm_90", "h100") == src.config_for("sm_90") == {"num_warps": 4, "BLOCK_N": 64,
+                                                                          "num_stages": 2}
+    assert src.config_for("sm_89", "h200") == {"num_warps": 4} == src.config_for(None, "h200")
+    assert src.devices_for("sm_90") == ["h200"] and src.devices_for("sm_80") == ["a100"]
+    assert src.devices_for("sm_89") == []
+    for bad in ("sm_90-H200", "sm_90-", "h200", "sm_90-h200-x", "sm_90.h200"):
+        with pytest.raises(ValueError, match="config key"):
+            BundleSource.model_validate({**doc, "kernels": [{**k, "configs": {"default": {}, bad: {}}}]})
+
+
+@pytest.mark.parametrize(("name", "model"), [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", "4090"), ("NVIDIA L40S", "l40s"), ("Some GPU", None)])
+def test_device_model_names_a_gpu_as_configs_key_it(name: str, model: str | None) -> None:
+    from kernelpack.loader import device_model
+
+    assert device_model(name) == model
+
+
+def test_1_5_0_is_1_4_0_with_a_softmax_config_for_the_h200() -> None:
+    """1.5.0 adds one entry, softmax_causal's ``sm_90-h200``: an H200 streams rows wider than WIDE, an H100
+    (and any other sm_90 part) keeps 1.4.0's config; the H200's config is one of the swept ones."""
+    from kernelpack.kernels import softmax_causal
+
+    v14, v15 = load_source(BUNDLES / "1.4.0"), load_source(BUNDLES / "1.5.0")
+    assert v15.parent == "1.4.0" and [k.op for k in v14.kernels] == [k.op for k in v15.kernels]
+    for a, b in zip(v14.kernels, v15.kernels, strict=True):
+        assert a.wins == b.wins and a.archs == b.archs, a.op
+        for arch in v14.targets.archs:
+            assert a.config_for(arch) == b.config_for(arch) == b.config_for(arch, "h100"), (a.op, arch)
+            assert a.config_for(arch, "h200") == b.config_for(arch, "h200") or (a.op, arch) == (
+                "softmax_causal", "sm_90"), (a.op, arch)
+    (sm,) = (k for k in v15.kernels if k.op == "softmax_causal")
+    h200 = {**softmax_causal.DEFAULT_CONFIG, **sm.config_for("sm_90", "h200")}
+    assert h200["WIDE_CHUNK"] == 2048 and h200 in softmax_causal.TUNING_SPACE
