@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kernelctl.wire import ReportBatchResponse, TrialReport
+from kernelctl.wire import MAX_REPORT_BATCH_BYTES, ReportBatchResponse, TrialReport
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS reports (
@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 log = logging.getLogger("kernelctl.agent")
-MAX_BATCH_BYTES = 1024 * 1024  # one request's reports (their stored JSON): a quarter of the controller's default limit
+MAX_BATCH_BYTES = MAX_REPORT_BATCH_BYTES  # one request's reports (their stored JSON): a quarter of the controller's limit
 
 
 def new_idempotency_key(node_name: str) -> str:

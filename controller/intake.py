@@ -59,11 +59,18 @@ class Outcome:
     refused_reasons: list[str] = field(default_factory=list)
 
 
+# a body larger than an agent sends (its reports and the envelope) has its items counted first, so a batch of
+# too many is refused before any is validated; an agent-sized one is validated at once and its count checked
+# after (counting is a JSON parse of its own: about 0.08 ms of a real report's 0.2-0.3 ms of parsing)
+COUNT_FIRST_ABOVE = wire.MAX_REPORT_BATCH_BYTES + 65536
+
+
 def parse(body: bytes, json_type: bool, principal: Principal, max_report_batch: int) -> wire.ReportBatch | Outcome:
     """The request's batch, validated and checked against the caller's token; ``Outcome(invalid=True)`` for a
     body that does not validate (raises for another node's token or too many reports)."""
+    count_first = ("reports", max_report_batch) if len(body) > COUNT_FIRST_ABOVE else None
     try:
-        batch = parse_body(body, json_type, wire.ReportBatch, max_items=("reports", max_report_batch))
+        batch = parse_body(body, json_type, wire.ReportBatch, max_items=count_first)
     except (RequestValidationError, HTTPException):
         return Outcome(invalid=True)
     require_node(principal, batch.node_name)

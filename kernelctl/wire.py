@@ -389,6 +389,11 @@ def _cells(c: CellColumns) -> list[CellLatency]:
             for i, (op, t) in enumerate(zip(c.op, c.tokens, strict=True))]
 
 
+# what an agent sends in one report request at most: the reports' JSON (the envelope adds a few hundred bytes);
+# the controller counts the items of a larger body before validating it (controller.intake.parse)
+MAX_REPORT_BATCH_BYTES = 1024 * 1024
+
+
 class ReportBatch(Strict):
     node_name: NodeName
     reports: list[TrialReport] = Field(min_length=1, max_length=1000)

@@ -15,6 +15,7 @@ encoding 1 by itself when a controller that predates this module refuses the fie
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -48,6 +49,8 @@ def _lengths(rows: int, columns: dict[str, Sequence[object]], optional: bool) ->
 
 
 def _unique(op: Sequence[str], tokens: Sequence[int]) -> None:
+    if len(set(zip(op, tokens, strict=True))) == len(op):  # the common case without a Python loop per row
+        return
     seen: set[tuple[str, int]] = set()
     for i, cell in enumerate(zip(op, tokens, strict=True)):
         if cell in seen:
@@ -69,9 +72,10 @@ class ArmColumns(_Strict):
     def _rows(self) -> ArmColumns:
         _lengths(len(self.n), {"mean_s": self.mean_s, "p50_s": self.p50_s, "p99_s": self.p99_s}, False)
         _lengths(len(self.n), {"windows_s": self.windows_s}, True)
-        for i, (p50, p99) in enumerate(zip(self.p50_s, self.p99_s, strict=True)):
-            if p50 > p99:
-                raise ValueError(f"row {i}: p50_s {p50!r} is above p99_s {p99!r}")
+        if any(map(operator.gt, self.p50_s, self.p99_s)):  # the loop below only to name the row
+            for i, (p50, p99) in enumerate(zip(self.p50_s, self.p99_s, strict=True)):
+                if p50 > p99:
+                    raise ValueError(f"row {i}: p50_s {p50!r} is above p99_s {p99!r}")
         return self
 
 

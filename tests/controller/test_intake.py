@@ -222,3 +222,24 @@ def test_a_batch_the_database_aborted_to_break_a_lock_cycle_is_written_again(kit
     assert [o.error for o in outs] == [None] * 4 and sum(o.reply.accepted for o in outs) == 4
     with kit.tx() as s:
         assert s.scalar(select(func.count()).select_from(Report)) == 4
+
+
+def test_an_agent_sized_body_is_validated_at_once_and_its_count_checked_after(kit: Kit, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Up to what an agent sends (``COUNT_FIRST_ABOVE``) a body is validated without counting its items first
+    and a batch over the limit is refused after, naming the count; a larger body is counted first and refused
+    as a body that does not validate (the route answers 422 naming ``body.reports``: test_redteam)."""
+    from controller import intake
+
+    rid, stable, cand = _stable_and_candidate(kit, nodes=1)
+    with kit.tx() as s:
+        n = kit.node(s, "gpu-000")
+        reports = [kit.report(n, rid, cand, stable, key=f"count-{i:04d}") for i in range(4)]
+    me = Principal(1, "node:gpu-000", "agent", "gpu-000")
+    body = wire.ReportBatch(node_name="gpu-000", reports=reports).model_dump_json().encode()
+    assert len(body) < intake.COUNT_FIRST_ABOVE
+    assert isinstance(intake.parse(body, True, me, 4), wire.ReportBatch)
+    with pytest.raises(Invalid, match="4 items in reports is over the limit of 3"):
+        intake.parse(body, True, me, 3)
+    monkeypatch.setattr(intake, "COUNT_FIRST_ABOVE", len(body) - 1)
+    refused = intake.parse(body, True, me, 3)
+    assert isinstance(refused, intake.Outcome) and refused.invalid
