@@ -5,7 +5,8 @@ Owns op ``softmax_causal``: Triton kernel, float64 reference, eager PyTorch vers
 mask, as with a KV cache; k >= q), and 0 for masked keys. The mask is computed from indices: no mask tensor,
 and masked scores are not read (past the causal limit, at most the 7 of its 16-byte vector). ``scale``
 is a 0-d float32 tensor input (no host sync). One row per
-program, held in registers (k <= 16384). Imports only torch, triton and ``kernelpack.kernels.spec``.
+program, held in registers (k <= 16384), or streamed in pieces (launch config ``CHUNK`` for every row,
+``WIDE_CHUNK`` for rows wider than ``WIDE``). Imports only torch, triton and ``kernelpack.kernels.spec``.
 """
 
 from __future__ import annotations
