@@ -44,7 +44,7 @@ from sqlalchemy import and_, select, text
 from sqlalchemy.orm import Session
 
 from controller.db.models import Node, Report, RolloutStratum, as_utc
-from controller.gates import Key
+from controller.gates import SIGNALS_TEXT, Key
 from controller.judge.gates import StepEvidence
 from controller.judge.series import JudgeMemo
 from controller.signals import ReportSignals
@@ -64,7 +64,7 @@ PG_HORIZON = text(
     "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
 PG_CLOCK = text("SELECT clock_timestamp()")
 
-_COLUMNS = (Report.id, Report.rollout_id, Report.stratum, Report.node_id, Report.received_at, Report.signals)
+_COLUMNS = (Report.id, Report.rollout_id, Report.stratum, Report.node_id, Report.received_at, SIGNALS_TEXT)
 
 
 @dataclass
@@ -188,7 +188,7 @@ class EvidenceCache:
                 continue
             self._seen.add(rid)
             self._node_ids.add(node_id)
-            series.add(received_at, rid, node_id, ReportSignals.from_stored(signals))
+            series.add(received_at, rid, node_id, ReportSignals.from_stored_text(signals))
             self.stats.rows_parsed += 1
 
     # ------------------------------------------------------------------------------------- the watermark

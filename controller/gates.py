@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import Text, and_, cast, func, select
 from sqlalchemy.orm import Session
 
 from controller import numeric_detail
@@ -127,13 +127,17 @@ def hard_failures(session: Session, keys: set[Key]) -> dict[Key, HardFailure]:
     return out
 
 
+# the stored signals as the database's JSON text (read by ReportSignals.from_stored_text: no json.loads)
+SIGNALS_TEXT = cast(Report.signals, Text)
+
+
 def step_evidence(session: Session, strata_ids: list[int]) -> dict[Key, StepEvidence]:
     """One query over all given rollout_strata rows: every ok report of each stratum in its rollout."""
     out: dict[Key, StepEvidence] = defaultdict(StepEvidence)
     if not strata_ids:
         return out
     stmt = (
-        select(Report.rollout_id, Report.stratum, Report.node_id, Report.signals)
+        select(Report.rollout_id, Report.stratum, Report.node_id, SIGNALS_TEXT)
         .join(RolloutStratum, and_(RolloutStratum.rollout_id == Report.rollout_id,
                                    RolloutStratum.stratum == Report.stratum))
         .join(Node, Node.id == Report.node_id)
@@ -145,7 +149,7 @@ def step_evidence(session: Session, strata_ids: list[int]) -> dict[Key, StepEvid
         ev = out[(rid, stratum)]
         for _, _, node_id, signals in group:
             ev.ok_reports += 1
-            ev.reports.append((str(node_id), ReportSignals.from_stored(signals)))
+            ev.reports.append((str(node_id), ReportSignals.from_stored_text(signals)))
     return out
 
 
