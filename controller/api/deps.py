@@ -150,7 +150,8 @@ class AppState:
                 del self._auth_cache[key]
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """(a coroutine: FastAPI runs a plain function dependency in its thread pool, a thread hop on every request)"""
     return request.app.state.kctl
 
 
