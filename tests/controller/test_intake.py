@@ -243,23 +243,3 @@ def test_an_agent_sized_body_is_validated_at_once_and_its_count_checked_after(ki
     monkeypatch.setattr(intake, "COUNT_FIRST_ABOVE", len(body) - 1)
     refused = intake.parse(body, True, me, 3)
     assert isinstance(refused, intake.Outcome) and refused.invalid
-
-
-def test_a_report_worker_process_settles_its_heap_as_the_api_process_does(db_url: str) -> None:
-    """A report worker process runs ``controller.heap.settle_heap`` once started (as an API process does): its
-    start-up heap frozen and young collections every 10,000 allocations. With the default thresholds (700, 10, 10)
-    and its imports scanned by every full collection it spent about as much CPU in the collector as in parsing and
-    storing the reports (docs/benchmarks.md, "Ingest: CPU per report")."""
-    import gc
-
-    from controller import intake
-
-    pool = intake.worker_pool(1, db_url, 10)
-    try:
-        assert pool.submit(intake._ready).result(timeout=120)  # the initializer ran
-        threshold = pool.submit(gc.get_threshold).result(timeout=60)
-        frozen = pool.submit(gc.get_freeze_count).result(timeout=60)
-    finally:
-        pool.shutdown()
-    assert threshold == (10_000, 10, 100)
-    assert frozen > 10_000  # the imported modules and the engine
