@@ -45,7 +45,6 @@ from controller.db.models import utcnow
 from controller.desired.generation import Patch
 from controller.errors import Invalid, first_line
 from controller.group_commit import write_isolated
-from controller.heap import settle_heap
 from kernelctl import wire
 
 
@@ -174,7 +173,6 @@ def _init_worker(database_url: str, max_report_batch: int) -> None:
     patches: list[tuple[int, Patch]] = []
     install_generation_hooks(factory, on_commit=lambda gen, patch: patches.append((gen, patch)))
     _worker.update(factory=factory, max_report_batch=max_report_batch, patches=patches)
-    settle_heap()  # as the API process: its imports frozen, collections rarer (half its CPU otherwise)
 
 
 def take_many_in_worker(requests: list[Request]) -> tuple[list[Outcome | Exception], list[tuple[int, Patch]]]:
