@@ -175,6 +175,32 @@ def test_signals_per_cell_weighted_aggregate_e2e_memory_launches(kit: Kit, setup
     assert old.numeric is not None and old.numeric.checks == 1
 
 
+def test_the_stored_signals_read_as_text_are_the_json_columns_document(kit: Kit, setup) -> None:
+    """The judge reads ``reports.signals`` as the database's JSON text (``controller.gates.SIGNALS_TEXT``, parsed by
+    pydantic-core in ``ReportSignals.from_stored_text``): the same signals as the JSON column's document through
+    ``from_stored``, for this version's documents (both encodings) and one stored before issue 25."""
+    from sqlalchemy import update
+
+    from controller.gates import SIGNALS_TEXT
+
+    rid, cand = setup
+    with kit.tx() as s:
+        n = kit.node(s, "h-000")
+    reports = [_real(kit, rid, cand, "text-cols", 30.0, 5).compact(), _real(kit, rid, cand, "text-lists", 12.0, 6)]
+    assert _ingest(kit, "h-000", reports) == (2, 0)
+    legacy = {"cells": {"swiglu@1": 0.1}, "aggregate": 0.05, "e2e": 0.01}
+    with kit.tx() as s:
+        s.execute(update(Report).where(Report.idempotency_key == "text-lists").values(signals=legacy))
+    with kit.tx() as s:
+        got = {key: (doc, text) for key, doc, text in s.execute(
+            select(Report.idempotency_key, Report.signals, SIGNALS_TEXT.label("text")).where(Report.node_id == n.id))}
+    assert set(got) == {"text-cols", "text-lists"} and isinstance(got["text-cols"][1], str)
+    for doc, text in got.values():
+        assert ReportSignals.from_stored_text(text) == ReportSignals.from_stored(doc)
+    assert ReportSignals.from_stored_text(got["text-lists"][1]).legacy_cells == {"swiglu@1": 0.1}
+    assert ReportSignals.from_stored_text(None) == ReportSignals.from_stored(None)
+
+
 def _real(kit: Kit, rid: int, cand: wire.BundleRef, key: str, kb: float, seed: int,
           **changes: object) -> wire.TrialReport:
     """A real-agent-shaped report (``sim.fleet.realreport``) with optional changes (older fields, gaps)."""
