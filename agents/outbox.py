@@ -1,7 +1,7 @@
 """The agent's on-disk report outbox (stdlib sqlite3, WAL) and its small persistent state.
 
 A report is written here first (with its idempotency key ``<node>:<uuid4>``), then sent in batches: what is
-waiting, oldest first, in one request bounded by count and bytes (:data:`MAX_BATCH_BYTES`, well under the
+waiting, oldest first, in one request bounded by count and bytes (``kernelctl.wire.MAX_REPORT_BATCH_BYTES``, well under the
 controller's ``max_report_body_bytes``); a row is marked sent only after the controller acknowledged the batch,
 and a report the controller's answer refuses by key (``ReportBatchResponse.refused``: not a canary any more,
 the rollout no longer live) is kept as rejected with the controller's reason, never resent. An unacknowledged
@@ -40,7 +40,6 @@ CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 log = logging.getLogger("kernelctl.agent")
-MAX_BATCH_BYTES = MAX_REPORT_BATCH_BYTES  # one request's reports (their stored JSON): a quarter of the controller's limit
 
 
 def new_idempotency_key(node_name: str) -> str:
@@ -144,7 +143,7 @@ class Outbox:
             return cur.rowcount
 
     def flush(self, send: Callable[[list[TrialReport]], ReportBatchResponse], batch_size: int = 100,
-              max_bytes: int = MAX_BATCH_BYTES, refuses: Callable[[Exception], bool] = lambda exc: False) -> int:
+              max_bytes: int = MAX_REPORT_BATCH_BYTES, refuses: Callable[[Exception], bool] = lambda exc: False) -> int:
         """Send pending reports via ``send``, each request what is waiting (at most ``batch_size`` reports and
         ``max_bytes``), until none are left; returns how many the controller acknowledged (refused ones
         included: kept as rejected with its reason, not resent).

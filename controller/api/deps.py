@@ -151,7 +151,8 @@ class AppState:
 
 
 async def get_state(request: Request) -> AppState:
-    """(a coroutine: FastAPI runs a plain function dependency in its thread pool, a thread hop on every request)"""
+    """The app's state; a coroutine because FastAPI runs a plain-function dependency in its thread pool (a thread
+    hop on every request)."""
     return request.app.state.kctl
 
 

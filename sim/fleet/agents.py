@@ -45,7 +45,6 @@ from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type
 
 from agents.client import backoff_wait
-from agents.outbox import MAX_BATCH_BYTES
 from kernelctl import wire
 from sim.fleet import http
 from sim.fleet.config import BUNDLE, NOISE_TICKS, FleetConfig
@@ -411,13 +410,13 @@ class Fleet:
         return max(1, int(kb * 1024 / PAIR_BYTES))
 
     async def flush(self, a: SimAgent) -> None:
-        """Send the outbox as the agent does (what is waiting, at most ``MAX_BATCH_BYTES`` of reports in one
+        """Send the outbox as the agent does (what is waiting, at most ``MAX_REPORT_BATCH_BYTES`` of reports in one
         request); keep each until a 200 acknowledges it (retried after 429/503)."""
         while a.outbox and a.token is not None and self.running:
             batch, size = [], 0
             for r in a.outbox[:100]:
                 size += REPORT_BYTES + PAIR_BYTES * len(r.latency)
-                if batch and size > MAX_BATCH_BYTES:
+                if batch and size > wire.MAX_REPORT_BATCH_BYTES:
                     break
                 batch.append(r.compact())
             now = time.monotonic()
