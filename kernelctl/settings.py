@@ -118,8 +118,11 @@ class Settings(BaseSettings):
         60.0, ge=0, le=300, description="How long an authenticated token is cached: a revocation or expiry made on "
         "another replica (or with `kernelctl token revoke`) takes effect within this time.")
     heartbeat_lane: bool = Field(True, description="Serve the common heartbeat outside the framework "
-                                 "(controller.api.heartbeat_lane: same answers, a fraction of the CPU); off: every "
+                                 "(controller.api.fast_lane: same answers, a fraction of the CPU); off: every "
                                  "heartbeat goes through the FastAPI route.")
+    report_lane: bool = Field(True, description="Serve the common report batch outside the framework "
+                              "(controller.api.fast_lane: same answers, about half the API process's CPU a "
+                              "request); off: every report batch goes through the FastAPI route.")
     api_docs: bool = Field(False, description="Serve /docs and /openapi.json (without a token). Off by default.")
 
     # --- notifications (controller/notify.py) ------------------------------------------------------

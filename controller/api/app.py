@@ -30,7 +30,9 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ra
 
 from controller.api import routes_agents, routes_bundles, routes_fleet, routes_rollouts
 from controller.api.deps import AUTH_SWEEP_SECONDS, AppState, parse_bearer, scope_header
-from controller.api.heartbeat_lane import HeartbeatLane
+from controller.api.fast_lane import FastLane, LaneRoute
+from controller.api.heartbeat_lane import HeartbeatRoute
+from controller.api.report_lane import ReportRoute
 from controller.api.routes_ui import router as ui_router  # the browser UI under /ui
 from controller.auth import AuthError, Forbidden, load_bootstrap_tokens
 from controller.db.engine import DatabaseError, make_engine, session_factory
@@ -386,7 +388,9 @@ def create_app(settings: Settings, *, state: AppState | None = None, run_schedul
     app.add_middleware(TokenBeforeBody, get_state=get_state)  # innermost: after the header and size checks
     app.add_middleware(BodyLimitMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware, get_metrics=lambda: getattr(get_state(), "metrics", None))
-    if settings.heartbeat_lane:
-        build = app.build_middleware_stack  # the heartbeat lane goes outside every middleware (heartbeat_lane)
-        app.build_middleware_stack = lambda: HeartbeatLane(build(), get_state=get_state)  # type: ignore[method-assign]
+    lanes: list[LaneRoute] = [*([HeartbeatRoute()] if settings.heartbeat_lane else []),
+                              *([ReportRoute()] if settings.report_lane else [])]
+    if lanes:
+        build = app.build_middleware_stack  # the fast lane goes outside every middleware (controller.api.fast_lane)
+        app.build_middleware_stack = lambda: FastLane(build(), get_state, lanes)  # type: ignore[method-assign]
     return app

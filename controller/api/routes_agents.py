@@ -19,12 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from controller.api import heartbeat_lane
+from controller.api import heartbeat_lane, report_lane
 from controller.api.body import is_json, openapi_body, parse_body
 from controller.api.deps import CurrentPrincipal, State, bearer_token
+from controller.api.fast_lane import Reply, overloaded
 from controller.auth import Forbidden, Principal, require_node, require_role
 from controller.enrollment import Registration
 from controller.errors import Invalid, Overloaded
@@ -45,7 +46,7 @@ async def register(req: wire.RegisterRequest, principal: CurrentPrincipal, state
         done = await state.hub.register(Registration(req, principal.actor, new_only=principal.is_enrollment,
                                                         minted_by=principal.token_id))
     except Overloaded as exc:
-        return _overloaded(exc)
+        return _reply(overloaded(exc))
     state.forget_node(req.node_name)  # the node's earlier tokens are revoked: no cached principal outlives them
     if done.token_id is not None:  # its first heartbeat needs no token lookup
         state.remember(done.token, Principal(done.token_id, f"node:{req.node_name}"[:128], "agent", req.node_name))
@@ -54,9 +55,10 @@ async def register(req: wire.RegisterRequest, principal: CurrentPrincipal, state
     )
 
 
-def _overloaded(exc: Overloaded) -> JSONResponse:
-    return JSONResponse({"detail": str(exc)}, status_code=503,
-                        headers={"Retry-After": exc.retry_after_header})
+def _reply(reply: Reply) -> Response:
+    status, body, headers = reply
+    return Response(body, status_code=status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in headers})
 
 
 @router.post("/heartbeat", response_model=wire.HeartbeatResponse)
@@ -68,9 +70,7 @@ async def heartbeat(req: wire.HeartbeatRequest, request: Request, principal: Cur
     ``generation`` (or the wait ends): the watch through which a rollback reaches the node at once.
     """
     require_node(principal, req.node_name)
-    status, body, headers = await heartbeat_lane.answer(state, req, bearer_token(request))
-    return Response(body, status_code=status, media_type="application/json",
-                    headers={k.decode(): v.decode() for k, v in headers})
+    return _reply(await heartbeat_lane.answer(state, req, bearer_token(request)))
 
 
 @router.post("/reports", response_model=wire.ReportBatchResponse, response_model_exclude_unset=True,
@@ -88,20 +88,12 @@ async def reports(request: Request, principal: CurrentPrincipal, state: State) -
     try:
         out = await state.hub.writers.ingest(body, json_type, principal)
     except Overloaded as exc:
-        return _overloaded(exc)
+        return _reply(overloaded(exc))
     if out.invalid:  # FastAPI's exact answer to the body, made here (it raises)
         await run_in_threadpool(parse_body, body, json_type, wire.ReportBatch,
                                 ("reports", state.settings.max_report_batch))
         raise Invalid("reports: the body did not validate")  # not reached: the same parse refused it there
-    m = state.metrics
     if out.error is not None:
-        m.reports_ingested.labels("rejected").inc(out.reports)
+        state.metrics.reports_ingested.labels("rejected").inc(out.reports)
         raise out.error
-    assert out.reply is not None
-    if out.reply.accepted:
-        m.reports_ingested.labels("accepted").inc(out.reply.accepted)
-    if out.reply.duplicates:
-        m.reports_ingested.labels("duplicate").inc(out.reply.duplicates)
-    for reason in out.refused_reasons:
-        m.reports_refused.labels(reason).inc()
-    return Response(out.reply.model_dump_json(exclude_unset=True), media_type="application/json")
+    return Response(report_lane.accepted(state, out), media_type="application/json")

@@ -30,7 +30,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -1027,6 +1027,74 @@ def test_heartbeat_lane_answers_as_the_route(ctl: ControllerProcess, db_url: str
                 assert lane_answer[0] == expected[what], (what, lane_answer)
             else:
                 assert lane_answer[0] in (400, 422), (what, lane_answer)
+
+
+def test_report_lane_answers_as_the_route(ctl: ControllerProcess, db_url: str, tmp_path: Path,
+                                          bundles: TestBundles, zygote: Zygote) -> None:
+    """The fast lane's report batches (controller.api.report_lane) against the FastAPI route's, input by input:
+    the same status and answer, stored or refused the same way."""
+    tokens = {n: node_token(ctl, n) for n in ("gpu-a", "gpu-b")}
+    live_rollout(ctl, bundles, "1.0.0")
+    trials: dict[str, dict[str, Any] | None] = {}
+    deadline = time.monotonic() + 30
+    while not any(trials.values()) and time.monotonic() < deadline:
+        trials = {n: trial_of(ctl, t, n, timeout=0.1) for n, t in tokens.items()}
+    canary = next(n for n in ("gpu-a", "gpu-b") if trials.get(n))
+    other = "gpu-b" if canary == "gpu-a" else "gpu-a"
+    trial = trials[canary]
+    assert trial is not None
+    env = {"KERNELCTL_AUTH_CACHE_SECONDS": "60", "KERNELCTL_REPORT_LANE": "false"}
+    json_ct = {"Content-Type": "application/json"}
+
+    def batch(node: str, key: str, n: int = 1, **change: Any) -> bytes:
+        reports = [{**ok_report(f"{key}-key-{i:04d}", trial), **change} for i in range(n)]
+        return json.dumps({"node_name": node, "reports": reports}).encode()
+
+    unknown = {**trial, "rollout_id": 999}
+    cases: list[tuple[str, str, dict[str, str], Callable[[str], bytes]]] = [
+        ("stored", canary, json_ct, lambda k: batch(canary, k, 3)),
+        ("replayed", canary, json_ct, lambda k: batch(canary, k, 3)),
+        ("+json content type", canary, {"Content-Type": "application/vnd.kctl+json"}, lambda k: batch(canary, k + "j")),
+        ("not a canary", other, json_ct, lambda k: batch(other, k + "o")),
+        ("unknown rollout", canary, json_ct,
+         lambda k: json.dumps({"node_name": canary, "reports": [ok_report(f"{k}-unknown", unknown)]}).encode()),
+        ("text/plain", canary, {"Content-Type": "text/plain"}, lambda k: batch(canary, k + "t")),
+        ("missing content type", canary, {}, lambda k: batch(canary, k + "m")),
+        ("36 KB header block", canary, {**json_ct, "X-Pad": "a" * 36_000}, lambda k: batch(canary, k + "h")),
+        ("truncated JSON", canary, json_ct, lambda k: batch(canary, k + "x")[:-9]),
+        ("a list", canary, json_ct, lambda k: b"[]"),
+        ("empty", canary, json_ct, lambda k: b""),
+        ("unknown field", canary, json_ct, lambda k: batch(canary, k + "u", bogus=1)),
+        ("NaN figure", canary, json_ct,
+         lambda k: batch(canary, k + "n").replace(b'"duration_s": 0.5', b'"duration_s": NaN')),
+        ("another node", canary, json_ct, lambda k: batch(other, k + "a")),
+        ("too many reports", canary, json_ct, lambda k: batch(canary, k + "c", 1001)),
+        ("invalid UTF-8", canary, json_ct, lambda k: batch(canary, k + "i").replace(b'"stratum', b'"\xff', 1)),
+        ("trailing garbage", canary, json_ct, lambda k: batch(canary, k + "g") + b" x"),
+    ]
+    expected = {"stored": (200, {"accepted": 3, "duplicates": 0}), "replayed": (200, {"accepted": 0, "duplicates": 3}),
+                "+json content type": (200, {"accepted": 1, "duplicates": 0}), "not a canary": 200,
+                "unknown rollout": 422, "text/plain": 422, "missing content type": 422, "36 KB header block": 431,
+                "another node": 403, "too many reports": 422}
+    with ControllerProcess(db_url, tmp_path / "route", tokens=ctl.tokens, name="route", extra_env=env,
+                           zygote=zygote) as route:
+        for what, sender, headers, body in cases:
+            auth = {"Authorization": f"Bearer {tokens[sender]}", **headers}
+            lane_answer = raw_post(ctl, "/v1/agents/reports", auth, body("LANE"))  # keys of one length: the
+            route_answer = raw_post(route, "/v1/agents/reports", auth, body("ROUT"))  # same error positions
+            assert json.dumps(lane_answer).replace("LANE", "ROUT") == json.dumps(route_answer), \
+                (what, lane_answer, route_answer)
+            want = expected.get(what)
+            if isinstance(want, tuple):
+                assert lane_answer == want, (what, lane_answer)
+            elif want is not None:
+                assert lane_answer[0] == want, (what, lane_answer)
+            else:
+                assert lane_answer[0] in (400, 422), (what, lane_answer)
+    assert "not a current canary" in json.dumps(raw_post(ctl, "/v1/agents/reports", {
+        "Authorization": f"Bearer {tokens[other]}", **json_ct}, batch(other, "again"))[1])
+    assert metric(ctl, 'kernelctl_http_request_duration_seconds_count{method="POST",'
+                       'route="/v1/agents/reports",status="200"}') == 5  # each recorded once
 
 
 # ------------------------------------------------- issue 26, 10 and 4: impossible figures, column limits
