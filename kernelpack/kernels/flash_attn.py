@@ -14,21 +14,9 @@ tensor descriptors made on the device (TMA on sm_90; Triton lowers them to plain
 scale folded into one multiply-add with the running max. The descriptors are made on the device,
 one per (batch, head), their scratch from ``triton.set_allocator`` (installed on first use in each thread,
 unless the caller set one); with ``HOST_DESC = 1`` the host makes one per tensor where the sequence
-fills the tiles (the prefill sizes), as the tutorial does on Hopper.
-
-``WS = 1`` (with ``TMA = 1``, ``HOST_DESC = 0``, ``num_warps = 4``; experimental, not in TUNING_SPACE nor in a
-bundle until an sm_90 A/B, scripts/ab-flash-attn-hopper, shows it right and faster) asks Triton 3.6 for
-automatic warp specialisation (``tl.range(..., warp_specialize=True)``). On sm_90 Triton's Hopper pass takes
-only one key loop with nothing matrix-bound around it (two loops, a run-time ``if`` in the loop, a diagonal
-block outside it or host-made descriptors fail in its NVGPUWarpSpecialization pass, ``num_warps = 8`` is
-silently left unspecialised; compiled for sm_90 on the CPU), so this path walks every key block up to the
-diagonal in one loop, each masked. The compiler then splits the program into a TMA producer warp group and two
-consumer warp groups of BLOCK_M / 2 query rows each (12 warps, ``setmaxnreg``: 232 registers for the
-consumers). Its row split slices ``tl.arange`` and also shifts any query-row scalar the q load shares with it,
-counting the second half's offset twice: the mask here is written in rows and keys relative to the tile's
-first query, which keeps the causal mask right (the earlier try masked absolute rows: max error 0.97 on an
-H100, docs/gpu.md, run of 2026-11-28). A tile under 128 query rows (short sequences) runs the unspecialised
-kernel. Shared memory: 128x128 tiles fit sm_90's 227 KiB with num_stages 2 only.
+fills the tiles (the prefill sizes), as the tutorial does on Hopper. Triton 3.6's warp specialisation of the
+key loop is not offered: it compiles only with a single (fully masked) key loop, and on an H100 every such
+config gave wrong output (max error 0.97 and NaN at 256 tokens, docs/gpu.md, run of 2026-11-28).
 
 On CPU (Triton interpreter) the key loops are ``while`` loops and the dot operands are upcast to fp32: the
 interpreter cannot take a run-time ``range`` bound with numpy >= 2.4 and miscomputes bf16 dots; both are
@@ -52,22 +40,19 @@ import kernelpack.kernels.spec as spec
 NAME = "flash_attn"
 LOG2E = 1.4426950408889634
 # switches between code paths (0 or 1): TMA selects the tensor-descriptor (Hopper) kernel; with it,
-# HOST_DESC descriptors made on the host (the tutorial's Hopper setup) where the sequence fills the tiles, or
-# WS one warp-specialised key loop (experimental, see the module docstring)
-FLAGS = ("TMA", "HOST_DESC", "WS")
+# HOST_DESC descriptors made on the host (the tutorial's Hopper setup) where the sequence fills the tiles
+FLAGS = ("TMA", "HOST_DESC")
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 0,
-                                  "HOST_DESC": 0, "WS": 0}
-# the smallest query tile that Triton's Hopper pass splits between two consumer warp groups (64 rows each)
-WS_MIN_BLOCK_M = 128
+                                  "HOST_DESC": 0}
 # launch configs an arch-specific tuning sweep tries (scripts/bench-kernels --tune); all must be correct
 TUNING_SPACE: list[dict[str, int]] = [
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "HOST_DESC": 0, "WS": 0}
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 0, "HOST_DESC": 0}
     for m, n, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3),
                        (64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))
 ] + [  # the Hopper path, from the attention tutorial's sm_90 space (BLOCK_M 128, BLOCK_N 64/128, 4/8 warps); every
     # one fits the H100's 227 KiB of shared memory at head_dim 128 (compiled for sm_90 on the CPU; left out:
     # 128x128 with 4 warps, 3 stages: 2 KiB of spills)
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "HOST_DESC": hd, "WS": 0}
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": 1, "HOST_DESC": hd}
     for m, n, w, s, hd in ((128, 128, 8, 3, 0), (128, 128, 8, 2, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0),
                            (128, 64, 4, 3, 0), (64, 64, 4, 3, 0), (128, 128, 8, 3, 1), (128, 64, 8, 3, 1),
                            (128, 64, 4, 3, 1))
@@ -155,17 +140,14 @@ def _flash_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
 
 @triton.jit
 def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
-                    MASKED: tl.constexpr, DOT_F32: tl.constexpr, row0=0):
-    """One key block at ``start_n``. The mask compares query rows ``offs_m`` with keys ``start_n - row0 +
-    offs_n``: absolute rows with ``row0 = 0``, or rows counted from the tile's first query ``row0`` (the WS
-    path)."""
+                    MASKED: tl.constexpr, DOT_F32: tl.constexpr):
     k = desc_k.load([kv_row + start_n, 0])  # rows past seq: zeros (per-head bounds) or masked keys
     if DOT_F32:  # noqa: SIM108 (kept as a constexpr branch for the Triton frontend)
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         qk = tl.dot(q, tl.trans(k))
     if MASKED:  # the diagonal: causal mask (a key past seq is past every stored query row)
-        qk = tl.where(offs_m[:, None] >= (start_n - row0 + offs_n)[None, :], qk * qk_scale, float("-inf"))
+        qk = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         qk = qk - m_new[:, None]
     else:  # left of the diagonal: the scale folded into one multiply-add with the running max
@@ -178,13 +160,12 @@ def _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, o
 @triton.jit
 def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        INTERPRETED: tl.constexpr, HOST_DESC: tl.constexpr, WS: tl.constexpr):
+                        INTERPRETED: tl.constexpr, HOST_DESC: tl.constexpr):
     """The Hopper path: tiles moved by tensor descriptors (TMA on sm_90). Made on the device, one per
     (batch, head) and tensor (scratch from ``triton.set_allocator``), bounded at ``seq`` rows: a tile past the
     end reads zeros and its store is clipped. With HOST_DESC the host made one per tensor over all rows (no
     per-program setup; ``run`` takes it only when ``seq`` is a multiple of both tiles, so no tile crosses a
-    head). Same walk as ``_flash_attn_fwd``; with WS one warp-specialised loop of masked blocks instead (the
-    module docstring says why)."""
+    head). Same walk as ``_flash_attn_fwd``."""
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key blocks) query blocks first
     if HOST_DESC:  # descriptors over all rows (batch * heads * seq, head_dim) from the host; seq fills the tiles
         desc_q, desc_k, desc_v, desc_o = q_ptr, k_ptr, v_ptr, o_ptr
@@ -211,21 +192,7 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     full_hi = (start_m * BLOCK_M // BLOCK_N) * BLOCK_N  # key blocks entirely left of the diagonal
     diag_hi = tl.minimum((start_m + 1) * BLOCK_M, seq)
-    if WS:  # every key block up to the diagonal in one loop, masked in rows and keys relative to the tile
-        rows = tl.arange(0, BLOCK_M)
-        row0 = start_m * BLOCK_M
-        if INTERPRETED:
-            start_n = 0
-            while start_n < diag_hi:
-                acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, rows, offs_n,
-                                                qk_scale, MASKED=True, DOT_F32=True, row0=row0)
-                start_n += BLOCK_N
-        else:
-            for start_n in tl.range(0, diag_hi, BLOCK_N, warp_specialize=True):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, rows, offs_n,
-                                                qk_scale, MASKED=True, DOT_F32=False, row0=row0)
-    elif INTERPRETED:
+    if INTERPRETED:
         start_n = 0
         while start_n < full_hi:
             acc, m_i, l_i = _attn_block_tma(acc, m_i, l_i, q, desc_k, desc_v, kv_row, start_n, offs_m, offs_n, qk_scale,
@@ -251,14 +218,10 @@ def _flash_attn_fwd_tma(q_ptr, k_ptr, v_ptr, o_ptr, seq, qk_scale, group,
 
 
 def _config(config: spec.LaunchConfig) -> dict[str, int]:
-    """The validated launch config of a call (HOST_DESC and WS only on the TMA path; WS with device-made
-    descriptors and 4 warps, the only form Triton 3.6 specialises on sm_90)."""
+    """The validated launch config of a call (HOST_DESC only on the TMA path)."""
     cfg = spec.launch_config(NAME, DEFAULT_CONFIG, config, flags=FLAGS)
     if cfg["HOST_DESC"] and not cfg["TMA"]:
         raise ValueError(f"{NAME}: launch config HOST_DESC=1 needs TMA=1 (the tensor-descriptor path)")
-    if cfg["WS"] and (not cfg["TMA"] or cfg["HOST_DESC"] or cfg["num_warps"] != 4):
-        raise ValueError(f"{NAME}: launch config WS=1 needs TMA=1, HOST_DESC=0 and num_warps=4 (what Triton 3.6's "
-                         f"Hopper warp specialisation compiles), got {cfg}")
     return cfg
 
 
@@ -328,15 +291,12 @@ def run(inputs: spec.Inputs, outs: spec.Outputs, config: spec.LaunchConfig) -> N
         # host-made descriptors span every head's rows: only where no tile crosses a head (and row numbers,
         # which TMA takes as int32, fit)
         host = bool(cfg["HOST_DESC"]) and s % max(bm, bn) == 0 and b * h * s < 2**31
-        # warp specialisation only where the query tile splits into two 64-row halves (the interpreter runs the
-        # same single loop at any tile size, so CI checks its index math)
-        ws = bool(cfg["WS"]) and (interpreted or bm >= WS_MIN_BLOCK_M)
         if host:
             args = (_host_desc(q, bm), _host_desc(k, bn), _host_desc(v, bn), _host_desc(o, bm), *args[4:])
         elif not interpreted:
             _ensure_allocator()
-        _flash_attn_fwd_tma[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
-                                  HOST_DESC=host, WS=ws, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _flash_attn_fwd_tma[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+                                  INTERPRETED=interpreted, HOST_DESC=host, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     else:
         _flash_attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -386,7 +346,7 @@ def fuzz(rng: random.Random) -> spec.Shape:
 
 def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     """One specialization per supported head_dim of the config's GPU path (INTERPRETED=False): the pointer
-    kernel, or with TMA=1 the tensor-descriptor kernel (WS=1: its warp-specialised loop)."""
+    kernel, or with TMA=1 the tensor-descriptor kernel."""
     cfg = _config(config)
     p = spec.TRITON_DTYPES[dtype]
     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "seq": "i32", "qk_scale": "fp32", "group": "i32",
@@ -394,8 +354,8 @@ def aot(dtype: str, config: spec.LaunchConfig) -> list[spec.AotSpec]:
     fn, extra = _flash_attn_fwd, {}
     if cfg["TMA"]:
         fn = _flash_attn_fwd_tma
-        extra = {"HOST_DESC": bool(cfg["HOST_DESC"]), "WS": bool(cfg["WS"]) and cfg["BLOCK_M"] >= WS_MIN_BLOCK_M}
-        sig = {**sig, "HOST_DESC": "constexpr", "WS": "constexpr"}
+        extra = {"HOST_DESC": bool(cfg["HOST_DESC"])}
+        sig = {**sig, "HOST_DESC": "constexpr"}
     specs = []
     for d in HEAD_DIMS:
         s = dict(sig)
