@@ -6,7 +6,8 @@ or SIGINT uvicorn stops accepting, finishes in-flight requests, and the lifespan
 releases leadership. Access logs carry method, path and status only: never headers, so never tokens.
 
 Several API worker processes (``api_workers`` > 1, PostgreSQL only): uvicorn's own supervisor
-(``uvicorn.supervisors.Multiprocess``) spawns them on the one listening socket, restarts one that dies and, on
+(``uvicorn.supervisors.Multiprocess``) spawns them, each listening on the address with a socket of its own
+(``SO_REUSEPORT``: the kernel spreads the connections evenly, :class:`WorkerSocket`), restarts one that dies and, on
 SIGTERM/SIGINT, passes SIGTERM to each (each shuts down gracefully, as one process does). The parent checks
 the database, schema and keys and hashes the bootstrap tokens in once; each worker (:class:`WorkerConfig`)
 builds its own state: engine, desired-state snapshot woken by LISTEN/NOTIFY (as a second replica's is), leader
@@ -84,21 +85,58 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *, process: bool =
     logging.getLogger("alembic").setLevel(logging.WARNING)  # no "Context impl" lines on every /readyz
 
 
-def bind_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
+def bind_socket(host: str, port: int, backlog: int = 4096, *, per_worker: bool = False) -> socket.socket:
+    """The controller's listening socket; with ``per_worker`` (several API workers, where the platform has
+    ``SO_REUSEPORT``) a :class:`WorkerSocket`: the port held here, a listening socket of its own in each worker."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    per_worker = per_worker and hasattr(socket, "SO_REUSEPORT")
+    sock = WorkerSocket(family, socket.SOCK_STREAM) if per_worker else socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if isinstance(sock, WorkerSocket):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.backlog = backlog
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(backlog)  # the kernel caps it at net.core.somaxconn
     somaxconn = _somaxconn()
     if somaxconn is not None and somaxconn < backlog:
         log.warning("listen backlog %d capped at net.core.somaxconn %d: a fleet starting together may overflow "
                     "it (raise net.core.somaxconn)", backlog, somaxconn)
+    if isinstance(sock, WorkerSocket):
+        return sock  # bound, not listening: the workers listen (WorkerSocket)
+    sock.listen(backlog)  # the kernel caps it at net.core.somaxconn
     sock.set_inheritable(True)
+    return sock
+
+
+class WorkerSocket(socket.socket):
+    """The address of several API workers: bound in the supervisor with ``SO_REUSEPORT`` and never listening
+    there (it holds the port, and tells port 0's pick); what crosses into each spawned worker is not this socket
+    but the recipe for one of its own (:func:`_listen_in_worker`): the same address, ``SO_REUSEPORT``, listening
+    with the same backlog, so the kernel spreads new connections over the workers by their addresses' hash.
+
+    One listening socket shared by the workers let whichever woke first accept a whole burst (the event loop
+    accepts up to the backlog per wake-up; the connections then stay with it): 256 agents connecting together
+    loaded the four workers with 0.6 to 2.5 cores each, and the busiest saturated while the others idled
+    (docs/benchmarks.md, "Ingest on 16 cores"). A worker that dies closes its socket (the connections it had
+    not accepted are reset) and the kernel hashes over the others until its replacement listens."""
+
+    backlog = 4096
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        host, port = self.getsockname()[:2]
+        return _listen_in_worker, (self.family, host, port, self.backlog)
+
+
+def _listen_in_worker(family: int, host: str, port: int, backlog: int) -> socket.socket:
+    """(in a spawned API worker, as its :class:`WorkerSocket` is unpickled) the worker's own listening socket."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
     return sock
 
 
@@ -245,6 +283,7 @@ def _uvicorn_options(settings: Settings, max_connections: int) -> dict[str, Any]
         # idle keep-alive, concurrency; body deadline and sizes are enforced in the app
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_seconds)),
+        backlog=settings.listen_backlog,  # the event loop listens again with it (its default would be 2048)
         limit_concurrency=max_connections,
     )
 
@@ -352,7 +391,8 @@ def serve(settings: Settings, *, port_file: Path | None = None) -> None:
     if max_connections < settings.max_connections:
         log.warning("max_connections %d lowered to %d: the file-descriptor limit (ulimit -n) is %d",
                     settings.max_connections, max_connections, fd_limit)
-    sock = bind_socket(settings.listen_host, settings.listen_port, settings.listen_backlog)
+    sock = bind_socket(settings.listen_host, settings.listen_port, settings.listen_backlog,
+                       per_worker=settings.api_workers > 1)
     host, port = sock.getsockname()[:2]
     if settings.public_url is None and host not in ("0.0.0.0", "::"):  # notifications link to the bound address
         shown = f"[{host}]" if ":" in host else host

@@ -1,9 +1,10 @@
-"""Several API worker processes per replica (``kernelctl serve --workers N``): one listening socket, each worker
+"""Several API worker processes per replica (``kernelctl serve --workers N``): a listening socket each, each worker
 with its own desired-state snapshot woken by LISTEN/NOTIFY, exactly one leader among them, metrics summed over
 them, SIGTERM stopping them all; on SQLite more than one worker is refused before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -81,6 +82,12 @@ def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Pat
         pinned = _pinned_clients(ctl, tokens)
         pids = [pid for pid, _ in pinned]
         assert len(set(pids)) == WORKERS
+        # each worker listens with a socket of its own (SO_REUSEPORT): the kernel spreads connections evenly,
+        # no worker takes a whole burst from a shared queue (controller.server.WorkerSocket)
+        port = int(ctl.url.rsplit(":", 1)[1])
+        listening = _listening_inodes(port)
+        assert len(listening) == WORKERS, listening
+        assert sorted(len(_socket_inodes(pid) & listening) for pid in pids) == [1] * WORKERS
         # exactly one leader: one advisory lock granted, while every worker's elector holds a connection
         with psycopg.connect(_conninfo(pg_url), autocommit=True) as pg:
             key = lock_key()
@@ -145,6 +152,27 @@ def test_two_workers_one_leader_watches_woken_on_both(pg_url: str, tmp_path: Pat
     assert all(not _alive(pid) for pid in pids)
     log = ctl.log_text()
     assert log.count("Application shutdown complete") >= WORKERS and "kernelctl controller stopped" in log
+
+
+def _listening_inodes(port: int) -> set[int]:
+    """The inodes of the sockets listening on ``port`` (``/proc/net/tcp``: state 0A)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.add(int(f[9]))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    return out
 
 
 def _alive(pid: int) -> bool:
