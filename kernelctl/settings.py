@@ -77,8 +77,8 @@ class Settings(BaseSettings):
         4, gt=0, le=1000, description="Most heartbeat watches one node holds open at once per replica (an agent "
         "holds one); more are answered 429.")
     api_workers: int = Field(
-        1, ge=1, le=64, description="API worker processes of `kernelctl serve` (uvicorn's workers on one listening "
-        "socket), each with its own desired-state snapshot woken by LISTEN/NOTIFY; exactly one of them leads. "
+        1, ge=1, le=64, description="API worker processes of `kernelctl serve` (uvicorn's workers, a listening socket "
+        "each: SO_REUSEPORT), each with its own desired-state snapshot woken by LISTEN/NOTIFY; exactly one of them leads. "
         "PostgreSQL only (more than 1 on SQLite is refused). The per-replica limits apply to each worker.")
     trusted_keys_dir: Path | None = Field(None, description="Directory of trusted ed25519 public keys (*.pub).")
     bootstrap_tokens_file: Path | None = Field(
@@ -121,8 +121,8 @@ class Settings(BaseSettings):
                                  "(controller.api.fast_lane: same answers, a fraction of the CPU); off: every "
                                  "heartbeat goes through the FastAPI route.")
     report_lane: bool = Field(True, description="Serve the common report batch outside the framework "
-                              "(controller.api.fast_lane: same answers, about half the API process's CPU a "
-                              "request); off: every report batch goes through the FastAPI route.")
+                              "(controller.api.fast_lane: same answers, 10-20% less of the API process's CPU a "
+                              "report); off: every report batch goes through the FastAPI route.")
     api_docs: bool = Field(False, description="Serve /docs and /openapi.json (without a token). Off by default.")
 
     # --- notifications (controller/notify.py) ------------------------------------------------------

@@ -4,7 +4,8 @@ Every node sends a heartbeat every heartbeat period (10,000 nodes: about 700 a s
 canary, its trial reports (5,000 a second at that scale); nearly all of them are the same happy case: a node
 token this replica has cached, a valid body, an answer the route would give. :class:`FastLane` (the outermost
 ASGI app) serves that case without FastAPI's routing, dependency resolution, exception middleware and the
-app's three middlewares (about half of a report request's CPU in the API process); each lane route
+app's three middlewares (on 16 cores 0.41-0.46 ms of the API process's CPU a report against 0.50-0.52 through
+the route, docs/benchmarks.md); each lane route
 (:class:`LaneRoute`: ``controller.api.heartbeat_lane``, ``controller.api.report_lane``) computes its answer with
 the same functions its FastAPI route calls. Anything else is handed to the route unchanged, its body replayed,
 so errors, status codes and the OpenAPI schema stay the route's: a request the lane would not take from its
