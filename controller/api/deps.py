@@ -25,7 +25,6 @@ from controller.leader import LeaderElector
 from controller.metrics import Metrics
 from kernelctl.settings import Settings
 
-AUTH_CACHE_SECONDS: float = Settings.model_fields["auth_cache_seconds"].default
 AUTH_CACHE_MAX = 50_000  # cached principals (the cache is emptied when it grows past this)
 AUTH_SWEEP_SECONDS = 5.0  # how often the cache drops tokens revoked or expired elsewhere
 SWEEP_LOOKBACK_SECONDS = 60.0  # a revocation whose transaction committed this much after its timestamp is seen
@@ -72,7 +71,7 @@ class AppState:
             raise AuthError("missing bearer token (send `Authorization: Bearer <token>`)")
         if len(token) > 512:
             raise AuthError("malformed bearer token (over 512 characters)")
-        ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
+        ttl = self.settings.auth_cache_seconds
         with self._auth_lock:
             hit = self._auth_cache.get(hash_token(token))
         # valid for ttl after it was cached, or after the last sweep that would have dropped it
@@ -82,7 +81,7 @@ class AppState:
         """Drop cached principals of tokens revoked or expired lately (by any replica or the CLI): one query
         for the whole cache, so the cache stays valid without a lookup per token and ``ttl`` (run every few
         seconds: a revocation elsewhere takes effect within that time). Returns the entries dropped."""
-        ttl = getattr(self.settings, "auth_cache_seconds", AUTH_CACHE_SECONDS)
+        ttl = self.settings.auth_cache_seconds
         started = time.monotonic()
         now = utcnow()
         with self._read_factory() as session:  # a read: never the write lock
