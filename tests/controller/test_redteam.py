@@ -162,6 +162,22 @@ def trial_of(ctl: ControllerProcess, token: str, name: str, timeout: float = 20.
     return None
 
 
+def one_canary(ctl: ControllerProcess, bundles: TestBundles
+               ) -> tuple[int, dict[str, str], str, str, dict[str, Any]]:
+    """Nodes gpu-a and gpu-b and a live rollout of 1.0.0 whose first step takes one of them: (rollout id, their
+    tokens, the canary, the other node, the canary's trial spec)."""
+    tokens = {n: node_token(ctl, n) for n in ("gpu-a", "gpu-b")}
+    rid = live_rollout(ctl, bundles, "1.0.0")
+    trials: dict[str, dict[str, Any] | None] = {}
+    deadline = time.monotonic() + 30
+    while not any(trials.values()) and time.monotonic() < deadline:
+        trials = {n: trial_of(ctl, t, n, timeout=0.1) for n, t in tokens.items()}
+    canary = next(n for n in ("gpu-a", "gpu-b") if trials.get(n))
+    trial = trials[canary]
+    assert trial is not None
+    return rid, tokens, canary, "gpu-b" if canary == "gpu-a" else "gpu-a", trial
+
+
 def metric(ctl: ControllerProcess, line_start: str) -> float:
     for line in httpx.get(ctl.url + "/metrics").text.splitlines():
         if line.startswith(line_start):
@@ -611,16 +627,8 @@ def test_slow_headers_and_bodies_time_out(ctl: ControllerProcess) -> None:
 # ------------------------------------------------------------------------------------- 7. smaller
 def test_reports_count_only_from_current_canaries_of_live_rollouts(ctl: ControllerProcess,
                                                                     bundles: TestBundles) -> None:
-    tokens = {n: node_token(ctl, n) for n in ("gpu-a", "gpu-b")}
-    rid = live_rollout(ctl, bundles, "1.0.0")
-    trials: dict[str, dict[str, Any] | None] = {}
-    deadline = time.monotonic() + 30
-    while not any(trials.values()) and time.monotonic() < deadline:
-        trials = {n: trial_of(ctl, t, n, timeout=0.1) for n, t in tokens.items()}
-    canary = next(n for n in ("gpu-a", "gpu-b") if trials.get(n))
-    other = "gpu-b" if canary == "gpu-a" else "gpu-a"
-    trial = trials[canary]
-    assert trial is not None and trial_of(ctl, tokens[other], other, timeout=0.5) is None  # one canary (nodes=1)
+    rid, tokens, canary, other, trial = one_canary(ctl, bundles)
+    assert trial_of(ctl, tokens[other], other, timeout=0.5) is None  # one canary (nodes=1)
     refused_before = metric(ctl, 'kernelctl_reports_refused_total{reason="not_canary"}')
     with ctl.client(token=tokens[other]) as c:
         r = c.post("/v1/agents/reports", json={"node_name": other, "reports": [ok_report("not-canary-1", trial)]})
@@ -1033,16 +1041,7 @@ def test_report_lane_answers_as_the_route(ctl: ControllerProcess, db_url: str, t
                                           bundles: TestBundles, zygote: Zygote) -> None:
     """The fast lane's report batches (controller.api.report_lane) against the FastAPI route's, input by input:
     the same status and answer, stored or refused the same way."""
-    tokens = {n: node_token(ctl, n) for n in ("gpu-a", "gpu-b")}
-    live_rollout(ctl, bundles, "1.0.0")
-    trials: dict[str, dict[str, Any] | None] = {}
-    deadline = time.monotonic() + 30
-    while not any(trials.values()) and time.monotonic() < deadline:
-        trials = {n: trial_of(ctl, t, n, timeout=0.1) for n, t in tokens.items()}
-    canary = next(n for n in ("gpu-a", "gpu-b") if trials.get(n))
-    other = "gpu-b" if canary == "gpu-a" else "gpu-a"
-    trial = trials[canary]
-    assert trial is not None
+    _rid, tokens, canary, other, trial = one_canary(ctl, bundles)
     env = {"KERNELCTL_AUTH_CACHE_SECONDS": "60", "KERNELCTL_REPORT_LANE": "false"}
     json_ct = {"Content-Type": "application/json"}
 
